@@ -1,0 +1,33 @@
+# tokenfleet worker / producer image.
+# The default torch spec takes the registry's build (CUDA wheels, for GPU hosts); for a small
+# CPU-only image pass --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=<cpu index>.
+FROM python:3.11-slim
+
+ARG TORCH_SPEC="torch==2.13.0"
+ARG TORCH_INDEX_URL=""
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    HF_HOME=/models/hf-cache
+
+WORKDIR /app
+RUN if [ -n "$TORCH_INDEX_URL" ]; then \
+        pip install "$TORCH_SPEC" --index-url "$TORCH_INDEX_URL"; \
+    else \
+        pip install "$TORCH_SPEC"; \
+    fi
+
+COPY pyproject.toml README.md ./
+COPY shared ./shared
+COPY producer ./producer
+COPY worker ./worker
+COPY examples ./examples
+RUN pip install '.[worker]'
+
+# Workers run as an unprivileged user; models and the HF cache live in /models.
+RUN useradd --create-home --uid 1000 tokenfleet && mkdir -p /models && chown tokenfleet /models
+USER tokenfleet
+VOLUME ["/models"]
+
+ENTRYPOINT ["tokenfleet"]
+CMD ["worker"]

@@ -1,0 +1,1 @@
+"""``tokenfleet`` subcommands that need only the base install."""

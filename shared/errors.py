@@ -1,0 +1,76 @@
+"""Error types shared by the producer, the worker and the CLI.
+
+Every error a caller can act on has its own class; each carries a stable ``code`` string that is
+also what travels on the wire (terminal ``error`` events carry the same codes).
+"""
+
+from __future__ import annotations
+
+
+class TokenfleetError(Exception):
+    """Base class of every error tokenfleet raises on purpose."""
+
+    code: str = "error"
+
+
+class SettingsError(TokenfleetError, ValueError):
+    """A setting (environment variable, URL, key prefix, CLI flag) is missing or malformed."""
+
+    code = "bad_settings"
+
+
+class InvalidRequest(TokenfleetError, ValueError):
+    """The request was refused before anything touched Redis; the message names the field."""
+
+    code = "invalid_request"
+
+
+class ProtocolError(TokenfleetError, ValueError):
+    """A payload read from Redis failed to decode or validate (size, JSON, schema, version).
+
+    ``request_id`` is set when the payload's id could still be read, so the reader can give that
+    request a terminal ``error`` event instead of leaving it to vanish.
+    """
+
+    code = "protocol_error"
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+class Overloaded(TokenfleetError):
+    """The target queue is full and its policy refused the request (or a wait timed out)."""
+
+    code = "overloaded"
+
+
+class UnknownRequest(TokenfleetError, KeyError):
+    """No durable record exists for this request id (never submitted, or its TTL lapsed)."""
+
+    code = "unknown_request"
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else self.code
+
+
+class ScriptError(TokenfleetError):
+    """A Lua script returned a code this version does not know (a version mismatch)."""
+
+    code = "script_error"
+
+
+class RequestFailed(TokenfleetError):
+    """A request ended in a terminal state other than ``done``.
+
+    ``status`` is the terminal state (``cancelled``, ``expired``, ``dropped`` or ``error``),
+    ``code`` the specific error code (equal to ``status`` except for ``error``), ``message``
+    a sentence a person can act on.
+    """
+
+    def __init__(self, request_id: str, status: str, code: str, message: str) -> None:
+        super().__init__(f"request {request_id} {status}: [{code}] {message}")
+        self.request_id = request_id
+        self.status = status
+        self.code = code
+        self.message = message

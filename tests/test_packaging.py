@@ -1,0 +1,115 @@
+"""The install layout: three folders under ``tokenfleet.``, nothing bare, no torch in the base."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {
+    "shared": "tokenfleet.shared",
+    "producer": "tokenfleet.producer",
+    "worker": "tokenfleet.worker",
+}
+
+
+def _listed_packages() -> set[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return set(config["tool"]["setuptools"]["packages"])
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    found = set()
+    for folder, package in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found == _listed_packages()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (path,) = out.glob("tokenfleet-*.whl")
+    return path
+
+
+def test_wheel_installs_only_under_tokenfleet(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"tokenfleet", next(t for t in top if t.endswith(".dist-info"))}
+    for package in _listed_packages():
+        assert package.replace(".", "/") + "/__init__.py" in names
+    assert "tokenfleet/shared/scripts/finish.py" in names
+
+
+def test_base_modules_import_without_torch() -> None:
+    # torch and transformers made unimportable in a fresh interpreter.
+    code = """
+import sys
+for name in ("torch", "transformers", "tokenizers"):
+    sys.modules[name] = None
+import tokenfleet.shared.schema, tokenfleet.shared.scripts.finish, tokenfleet.producer
+import tokenfleet.worker.cli as cli
+cli.build_parser()
+assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_clean_venv_install_imports_producer_without_torch(wheel: Path, tmp_path: Path) -> None:
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    check = (
+        "import importlib.util, tokenfleet.producer, tokenfleet.shared.schema;"
+        "assert importlib.util.find_spec('torch') is None, 'torch was installed';"
+        "print('ok')"
+    )
+    clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    out = subprocess.run(
+        [str(python), "-c", check], capture_output=True, text=True, env=clean_env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    for bare in ("shared", "worker", "producer"):
+        res = subprocess.run(
+            [str(python), "-c", f"import {bare}"],
+            capture_output=True,
+            text=True,
+            env=clean_env,
+            cwd=tmp_path,
+        )
+        assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr, bare

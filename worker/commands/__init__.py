@@ -1,0 +1,1 @@
+"""One module per ``tokenfleet`` subcommand run by a worker host."""

