@@ -1,1 +1,38 @@
-"""The client library a web app or cron job uses to submit generation requests."""
+"""The client library a web app or a cron job uses to submit generation requests.
+
+``Client`` (sync) and ``AsyncClient`` (asyncio) submit requests and return handles that stream
+tokens and results; see docs/producer.md.
+"""
+
+from tokenfleet.producer.async_client import AsyncClient
+from tokenfleet.producer.async_handle import AsyncHandle
+from tokenfleet.producer.client import Client
+from tokenfleet.producer.handle import Handle
+from tokenfleet.producer.result import Result
+from tokenfleet.shared.errors import (
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    UnknownRequest,
+)
+from tokenfleet.shared.queue_config import OverflowPolicy, QueueConfig, QueueStats
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+
+__all__ = [
+    "AsyncClient",
+    "AsyncHandle",
+    "Client",
+    "Handle",
+    "InvalidRequest",
+    "OverflowPolicy",
+    "Overloaded",
+    "QueueConfig",
+    "QueueStats",
+    "RequestFailed",
+    "RequestRecord",
+    "Result",
+    "TerminalEvent",
+    "TokenEvent",
+    "UnknownRequest",
+]

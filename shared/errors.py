@@ -54,6 +54,13 @@ class UnknownRequest(TokenfleetError, KeyError):
         return str(self.args[0]) if self.args else self.code
 
 
+class PoolError(TokenfleetError):
+    """A shared KV pool refused an operation: it does not exist, exists with other settings,
+    has no room for another member, or does not run on a manual clock."""
+
+    code = "pool_error"
+
+
 class ScriptError(TokenfleetError):
     """A Lua script returned a code this version does not know (a version mismatch)."""
 

@@ -7,6 +7,7 @@ Fields of the hash (all values are strings; times are epoch seconds):
     model, priority where it was queued
     stream_id       its entry id in the queue stream (used to evict, cancel or ack it)
     enqueued_at, started_at, first_token_at, finished_at
+    deadline        epoch seconds by which it must have started, or "" (set by the enqueue script)
     num_tokens      token events published so far (== length of the token list)
     worker          name of the worker running it (empty when none)
     attempts        how many workers have taken it (the poison guard counts these)
@@ -68,6 +69,7 @@ class RequestRecord:
     started_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    deadline: float | None = None
     num_tokens: int = 0
     worker: str = ""
     attempts: int = 0
@@ -99,6 +101,7 @@ class RequestRecord:
             started_at=_float(h.get("started_at")),
             first_token_at=_float(h.get("first_token_at")),
             finished_at=_float(h.get("finished_at")),
+            deadline=_float(h.get("deadline")),
             num_tokens=int(h.get("num_tokens") or 0),
             worker=h.get("worker") or "",
             attempts=int(h.get("attempts") or 0),
@@ -121,6 +124,7 @@ class RequestRecord:
             "started_at": self.started_at,
             "first_token_at": self.first_token_at,
             "finished_at": self.finished_at,
+            "deadline": self.deadline,
             "num_tokens": self.num_tokens,
             "worker": self.worker,
             "attempts": self.attempts,

@@ -16,6 +16,7 @@ from typing import Any
 from tokenfleet.shared.errors import (
     InvalidRequest,
     Overloaded,
+    PoolError,
     ScriptError,
     TokenfleetError,
     UnknownRequest,
@@ -25,6 +26,7 @@ ERROR_CODES: dict[str, type[TokenfleetError]] = {
     "overloaded": Overloaded,
     "invalid": InvalidRequest,
     "unknown": UnknownRequest,
+    "pool": PoolError,
 }
 
 KeyOrArg = str | bytes | int | float
@@ -95,3 +97,14 @@ def queue(
     """Add ``script`` to ``pipeline`` (created from ``client``); check its reply with
     :func:`check_reply` once the pipeline has executed."""
     _script_for(client, script)(keys=list(keys), args=list(args), client=pipeline)
+
+
+async def aqueue(
+    client: Any,
+    pipeline: Any,
+    script: LuaScript,
+    keys: Sequence[KeyOrArg],
+    args: Sequence[KeyOrArg],
+) -> None:
+    """:func:`queue` for an asyncio pipeline (queuing a script there is a coroutine)."""
+    await _script_for(client, script)(keys=list(keys), args=list(args), client=pipeline)

@@ -1,0 +1,173 @@
+"""The asyncio twin of ``subscriber.py``: one pub/sub connection and one reader task per
+``AsyncClient``, shared by all its handles. Runs on one event loop, so the table needs no lock;
+only the reader task reads from or (re)connects the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import redis.asyncio
+
+from tokenfleet.producer.subscriptions import SubscriptionTable
+
+log = logging.getLogger(__name__)
+_CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+
+
+def async_pubsub_connection_factory(client: redis.asyncio.Redis) -> Callable[[], Any]:
+    """Build connections like ``client``'s pool does, but RESP2, undecoded, no read timeout."""
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(decode_responses=False, protocol=2, socket_timeout=None)
+    connection_class = pool.connection_class
+
+    def make() -> Any:
+        return connection_class(**kwargs)
+
+    return make
+
+
+class AsyncSubscription:
+    """One mailbox on one channel; ``get()`` returns raw bytes, ``RESYNC`` or None on timeout."""
+
+    def __init__(self, subscriber: AsyncSubscriber, channel: str, box_id: int) -> None:
+        self.channel = channel
+        self._subscriber = subscriber
+        self._box_id = box_id
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.closed = False
+
+    async def get(self, timeout: float | None) -> object | None:
+        """Next item, waiting up to ``timeout`` seconds (None: forever)."""
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        """Stop listening; idempotent, callable from sync code (a finalizer)."""
+        if not self.closed:
+            self.closed = True
+            self._subscriber.unsubscribe(self.channel, self._box_id)
+
+
+class AsyncSubscriber:
+    """The shared pub/sub connection of one ``AsyncClient``.
+
+    Invariants: only the reader task reads or (re)connects; every listened channel is
+    subscribed on the current connection or has a SUBSCRIBE in flight.
+    """
+
+    def __init__(self, connection_factory: Callable[[], Any]) -> None:
+        self._factory = connection_factory
+        self._table = SubscriptionTable()
+        self._conn: Any = None
+        self._broken = False
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._ids = itertools.count()
+        self._pending_sends: set[asyncio.Task[None]] = set()
+        self.connects = 0  # connections opened so far (reconnects = connects - 1)
+
+    async def subscribe(self, channel: str, timeout: float) -> AsyncSubscription:
+        """Listen to ``channel``; returns once Redis confirmed the subscription."""
+        if self._closed:
+            raise redis.ConnectionError("the client is closed")
+        waiter = asyncio.Event()
+        sub = AsyncSubscription(self, channel, next(self._ids))
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._table.add(channel, sub._box_id, sub.queue.put_nowait, waiter):
+            await self._send("SUBSCRIBE", channel)
+        try:
+            await asyncio.wait_for(waiter.wait(), timeout)
+        except TimeoutError:
+            sub.close()
+            raise redis.ConnectionError(
+                f"could not subscribe to {channel} within {timeout:g}s (is Redis reachable?)"
+            ) from None
+        return sub
+
+    def unsubscribe(self, channel: str, box_id: int) -> None:
+        """Remove one mailbox; the UNSUBSCRIBE is sent in the background if needed."""
+        if not self._table.remove(channel, box_id) or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._broken = True  # called from a finalizer outside the loop: resubscribe fresh
+            return
+        task = loop.create_task(self._send("UNSUBSCRIBE", channel))
+        self._pending_sends.add(task)
+        task.add_done_callback(self._pending_sends.discard)
+
+    async def aclose(self) -> None:
+        """Stop the reader task and drop the connection."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._conn is not None:
+            await self._conn.disconnect()
+            self._conn = None
+
+    @property
+    def num_channels(self) -> int:
+        """How many channels are listened to."""
+        return len(self._table.channels)
+
+    async def _send(self, *args: str) -> None:
+        conn = self._conn
+        if conn is None or self._broken:
+            return  # the reader reconnects and re-subscribes every channel in the table
+        try:
+            await conn.send_command(*args, check_health=False)
+        except _CONNECTION_ERRORS:
+            self._broken = True
+
+    async def _reconnect(self) -> bool:
+        old, self._conn = self._conn, None
+        if old is not None:
+            await old.disconnect()
+        conn = self._factory()
+        try:
+            await conn.connect()
+        except _CONNECTION_ERRORS as exc:
+            log.warning("tokenfleet subscriber: cannot connect: %s", exc)
+            return False
+        self._conn, self._broken = conn, False
+        self.connects += 1
+        channels = self._table.reset_for_reconnect(resync=self.connects > 1)
+        if channels:
+            await self._send("SUBSCRIBE", *channels)
+        return True
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            conn = self._conn
+            if conn is None or self._broken:
+                if await self._reconnect():
+                    backoff = 0.05
+                else:
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                continue
+            try:
+                reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any socket / parser failure: start over
+                log.debug("tokenfleet subscriber: reconnecting after %r", exc)
+                self._broken = True
+                continue
+            self._table.dispatch(reply)

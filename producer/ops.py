@@ -1,0 +1,124 @@
+"""Pieces both clients share: script replies to outcomes, queue names, stats rows, backoff.
+
+Nothing here does I/O, so the sync ``Client`` and the ``AsyncClient`` stay two thin shells
+around the same decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from tokenfleet.producer.request import Prepared
+from tokenfleet.shared.errors import Overloaded, ScriptError, TokenfleetError
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.queue_config import OverflowPolicy, QueueConfig, QueueStats
+from tokenfleet.shared.record import RequestRecord, as_str
+from tokenfleet.shared.schema import RequestStatus
+from tokenfleet.shared.scripts.enqueue import EnqueueItem
+from tokenfleet.shared.scripts.registry import ERROR_CODES
+
+# submit() on a "block" queue polls for room: first delay, growth factor, largest delay (s).
+BLOCK_POLL = (0.005, 1.5, 0.1)
+# submit_many() sends at most this many requests per enqueue script call.
+ENQUEUE_CHUNK = 256
+
+
+def enqueue_pairs(reply: Sequence[Any]) -> list[tuple[str, str]]:
+    """The (code, value) pairs of a checked ENQUEUE reply (``reply[0]`` is "ok")."""
+    items = [as_str(v) or "" for v in reply[1:]]
+    return list(zip(items[0::2], items[1::2], strict=True))
+
+
+def refusal(code: str, message: str) -> TokenfleetError:
+    """The exception for a per-request refusal code of the enqueue script."""
+    if code == "full":
+        return Overloaded(message)
+    error = ERROR_CODES.get(code)
+    if error is None:
+        return ScriptError(f"script enqueue returned unknown code {code!r}: {message}")
+    return error(message)
+
+
+def parse_member(member: bytes | str) -> tuple[str, Priority] | None:
+    """``model|label`` from the queues set, or None if malformed."""
+    text = as_str(member) or ""
+    model, _, label = text.rpartition("|")
+    try:
+        return (model, Priority.parse(label)) if model else None
+    except TokenfleetError:
+        return None
+
+
+def stats_keys(keys: Keys, queues: Sequence[tuple[str, Priority]]) -> list[str]:
+    """KEYS for QUEUE_STATS: stream and config hash of each queue."""
+    out: list[str] = []
+    for model, priority in queues:
+        out += [keys.stream(model, priority), keys.queue_config(model, priority)]
+    return out
+
+
+def stats_rows(queues: Sequence[tuple[str, Priority]], reply: Sequence[Any]) -> list[QueueStats]:
+    """QUEUE_STATS reply -> one ``QueueStats`` per queue, in the order asked."""
+    values = list(reply[1:])
+    rows = []
+    for i, (model, priority) in enumerate(queues):
+        length, pending, max_waiting, policy = values[4 * i : 4 * i + 4]
+        stored = {"max_waiting": as_str(max_waiting) or "", "policy": as_str(policy) or ""}
+        config = QueueConfig.from_hash({k: v for k, v in stored.items() if v})
+        running = int(pending)
+        rows.append(
+            QueueStats(
+                model=model,
+                priority=priority.label,
+                length=int(length),
+                running=running,
+                waiting=int(length) - running,
+                max_waiting=config.max_waiting,
+                policy=config.policy,
+                configured=bool(stored["max_waiting"] or stored["policy"]),
+            )
+        )
+    return rows
+
+
+def sorted_queues(members: Iterable[bytes | str]) -> list[tuple[str, Priority]]:
+    """Parse and sort the queues set (by model, then most urgent first)."""
+    parsed = {q for q in (parse_member(m) for m in members) if q is not None}
+    return sorted(parsed, key=lambda q: (q[0], int(q[1])))
+
+
+def merged_config(current: QueueConfig, max_waiting: int | None, policy: str | None) -> QueueConfig:
+    """``current`` with the given fields replaced (validated)."""
+    return QueueConfig(
+        max_waiting=current.max_waiting if max_waiting is None else max_waiting,
+        policy=current.policy if policy is None else OverflowPolicy.parse(policy),
+    )
+
+
+def enqueue_item(p: Prepared) -> EnqueueItem:
+    """What the enqueue script needs of a prepared request."""
+    return EnqueueItem(p.request_id, p.payload, p.deadline)
+
+
+def is_overdue(record: RequestRecord) -> bool:
+    """A queued request whose deadline has passed (it must end ``expired``)."""
+    return (
+        record.status is RequestStatus.QUEUED
+        and record.deadline is not None
+        and record.deadline <= time.time()
+    )
+
+
+def plan_batches(prepared: Sequence[Prepared]) -> list[tuple[tuple[str, Priority], list[int]]]:
+    """Group request indices by queue, in chunks of at most :data:`ENQUEUE_CHUNK`."""
+    groups: dict[tuple[str, Priority], list[int]] = {}
+    for i, p in enumerate(prepared):
+        groups.setdefault((p.model, p.priority), []).append(i)
+    plan = []
+    for queue, indices in groups.items():
+        for j in range(0, len(indices), ENQUEUE_CHUNK):
+            plan.append((queue, indices[j : j + ENQUEUE_CHUNK]))
+    return plan

@@ -1,0 +1,248 @@
+"""Turn ``submit()`` arguments into a validated, encoded ``GenerationRequest`` (no Redis here).
+
+Everything a caller can get wrong is refused here with ``InvalidRequest`` naming the field, before
+anything touches Redis: empty prompt, ``max_tokens`` <= 0 or above the limit, negative
+temperature, ``top_p`` outside (0, 1], unknown priority, payload over the size limit, text that
+is not UTF-8.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import GenerationRequest, SamplingParams, check_text
+from tokenfleet.shared.settings import Settings
+
+# The keyword arguments submit() accepts besides the prompt (submit_many takes the same keys).
+SUBMIT_FIELDS = frozenset(
+    {
+        "prompt",
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop",
+        "seed",
+        "priority",
+        "model",
+        "request_id",
+        "deadline_s",
+        "metadata",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated request, reduced to what the enqueue script needs."""
+
+    request_id: str
+    model: str
+    priority: Priority
+    deadline: float | None  # epoch seconds, or None
+    payload: bytes  # the encoded GenerationRequest (what workers read)
+
+    @classmethod
+    def of(cls, request: GenerationRequest, max_bytes: int) -> Prepared:
+        """Encode ``request`` (``InvalidRequest`` if over ``max_bytes``)."""
+        return cls(
+            request.request_id,
+            request.model,
+            request.priority,
+            request.deadline,
+            request.encode(max_bytes),
+        )
+
+
+def new_request_id() -> str:
+    """A fresh, unique request id: 128 random bits as 32 hex characters."""
+    return os.urandom(16).hex()
+
+
+def _split_prompt(prompt: Any) -> tuple[str | None, tuple[int, ...] | None]:
+    if prompt is None:
+        return None, None
+    if isinstance(prompt, str | bytes | bytearray):
+        return check_text("prompt", prompt), None
+    if isinstance(prompt, Sequence):
+        return None, tuple(prompt)
+    raise InvalidRequest(
+        f"prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+    )
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, Sequence) and not isinstance(stop, bytes | bytearray):
+        return tuple(stop)
+    raise InvalidRequest(f"stop must be a string or a list of strings, got {stop!r}")
+
+
+def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
+    """Validate and encode one request (``submit``'s keyword arguments); see :func:`build`."""
+    return Prepared.of(build(settings, now=now, **params), settings.max_payload_bytes)
+
+
+def build(
+    settings: Settings,
+    *,
+    now: float,
+    prompt: str | bytes | Sequence[int] | None = None,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    max_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    stop: str | Sequence[str] = (),
+    seed: int | None = None,
+    priority: str | int | Priority = "normal",
+    model: str | None = None,
+    request_id: str | None = None,
+    deadline_s: float | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> GenerationRequest:
+    """Validate one request; ``InvalidRequest`` names the first fault.
+
+    ``deadline_s`` is relative (seconds from ``now``): the request must have *started* by then,
+    else it ends ``expired``.
+    """
+    if deadline_s is not None and (
+        not isinstance(deadline_s, int | float)
+        or isinstance(deadline_s, bool)
+        or not math.isfinite(deadline_s)
+        or deadline_s <= 0
+    ):
+        raise InvalidRequest(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+    text, token_ids = _split_prompt(prompt)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop=_stop_strings(stop),
+    )
+    sampling.check_limit(settings.max_tokens_limit)
+    request = GenerationRequest(
+        request_id=request_id if request_id is not None else new_request_id(),
+        sampling=sampling,
+        prompt=text,
+        prompt_token_ids=token_ids,
+        messages=tuple(dict(m) for m in messages) if messages is not None else None,
+        priority=Priority.parse(priority),
+        model=model if model is not None else DEFAULT_MODEL,
+        deadline=now + deadline_s if deadline_s is not None else None,
+        enqueued_at=now,
+        metadata=metadata,
+    )
+    return request
+
+
+def _spec_params(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(spec, str):
+        return {"prompt": spec}
+    if not isinstance(spec, Mapping):
+        raise InvalidRequest(
+            f"each request must be a prompt string or a mapping, got {type(spec).__name__}"
+        )
+    unknown = set(spec) - SUBMIT_FIELDS
+    if unknown:
+        raise InvalidRequest(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    return dict(spec)
+
+
+_SHARED_FIELDS = tuple(sorted(SUBMIT_FIELDS - {"prompt", "request_id"}))
+_ABSENT = object()
+
+
+def _shared_key(params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What a text-prompt request shares with others of the same batch, or None when it does
+    not take the fast path (token-id or chat prompts, metadata, unhashable values)."""
+    if not isinstance(params.get("prompt"), str) or "messages" in params or "metadata" in params:
+        return None
+    values = [params.get(name, _ABSENT) for name in _SHARED_FIELDS]
+    key = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+_ID_MARK = "tf-template-id-3c1e"
+_PROMPT_MARK = "tf-template-prompt-9a7b"
+
+
+class _Template:
+    """A batch's shared parameters, validated once by building a full request.
+
+    The template's encoding is cut around its id and prompt, so each request of the batch is
+    encoded by concatenation; the bytes equal ``GenerationRequest.encode()``'s (tests check it).
+    """
+
+    __slots__ = ("parts", "request")
+
+    def __init__(self, settings: Settings, params: Mapping[str, Any], now: float) -> None:
+        shared = {k: v for k, v in params.items() if k not in ("prompt", "request_id")}
+        self.request = build(settings, now=now, prompt=_PROMPT_MARK, request_id=_ID_MARK, **shared)
+        encoded = orjson.dumps(self.request.to_dict())
+        head, _, rest = encoded.partition(orjson.dumps(_ID_MARK))
+        mid, _, tail = rest.partition(orjson.dumps(_PROMPT_MARK))
+        if _ID_MARK.encode() in head + mid + tail or _PROMPT_MARK.encode() in head + mid + tail:
+            raise InvalidRequest("request parameters must not contain tokenfleet's markers")
+        self.parts = (head, mid, tail)
+
+    def instance(self, settings: Settings, prompt: str, request_id: str | None) -> Prepared:
+        """The same checks and encoding as ``build`` + ``encode``, for one prompt."""
+        text = check_text("prompt", prompt)
+        if not text:
+            raise InvalidRequest("prompt is empty")
+        rid = new_request_id() if request_id is None else check_request_id(request_id)
+        head, mid, tail = self.parts
+        payload = b"".join((head, orjson.dumps(rid), mid, orjson.dumps(text), tail))
+        if len(payload) > settings.max_payload_bytes:
+            raise InvalidRequest(
+                f"request is {len(payload)} bytes encoded; the limit is "
+                f"{settings.max_payload_bytes} bytes"
+            )
+        r = self.request
+        return Prepared(rid, r.model, r.priority, r.deadline, payload)
+
+
+def prepare_many(
+    settings: Settings, specs: Sequence[str | Mapping[str, Any]], *, now: float
+) -> list[Prepared]:
+    """Validate every element of ``submit_many(requests)`` (a prompt string or a mapping of
+    ``submit`` keyword arguments); the error names the index.
+
+    Requests that differ only in their text prompt (and id) share one validated template, so a
+    bulk batch validates its sampling parameters once; the payloads are byte-identical to what
+    :func:`prepare` produces (tests check this).
+    """
+    out: list[Prepared] = []
+    templates: dict[tuple[Any, ...], _Template] = {}
+    for i, spec in enumerate(specs):
+        try:
+            params = _spec_params(spec)
+            key = _shared_key(params)
+            if key is None:
+                out.append(prepare(settings, now=now, **params))
+                continue
+            template = templates.get(key)
+            if template is None:
+                template = templates[key] = _Template(settings, params, now)
+            out.append(template.instance(settings, params["prompt"], params.get("request_id")))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"requests[{i}]: {exc}") from None
+    return out

@@ -1,0 +1,108 @@
+"""``AsyncClient`` behaves like ``Client``: same outcomes for the same scenarios."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis
+import redis.asyncio
+from producer_helpers import FakeWorker
+
+from tokenfleet.producer import (
+    AsyncClient,
+    Client,
+    InvalidRequest,
+    Overloaded,
+    RequestFailed,
+    UnknownRequest,
+)
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.settings import Settings
+
+
+def run(settings: Settings, body: Callable[[AsyncClient], Awaitable[None]]) -> None:
+    async def main() -> None:
+        conn = redis.asyncio.Redis.from_url(settings.redis_url)
+        client = AsyncClient(conn, settings=settings, recheck_s=1.0)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+            await conn.aclose()
+
+    asyncio.run(main())
+
+
+def test_submit_stream_result(settings: Settings, worker: FakeWorker) -> None:
+    async def body(client: AsyncClient) -> None:
+        handle = await client.submit("hi", max_tokens=8)
+        served = asyncio.create_task(asyncio.to_thread(worker.serve, ["a", "b", "c"]))
+        events = [e async for e in handle.stream()]
+        await served
+        assert [e.index for e in events if isinstance(e, TokenEvent)] == [0, 1, 2]
+        assert isinstance(events[-1], TerminalEvent)
+        result = await handle.result(timeout=10)
+        assert (result.text, result.token_ids) == ("abc", [100, 101, 102])
+        assert client._subscriber.num_channels == 0
+        late = [e async for e in client.stream(handle.request_id, from_index=1)]
+        assert late == events[1:]
+
+    run(settings, body)
+
+
+def test_reconnect_mid_stream(settings: Settings, worker: FakeWorker, r: redis.Redis) -> None:
+    async def body(client: AsyncClient) -> None:
+        handle = await client.submit("hi")
+        rid = await asyncio.to_thread(worker.take)
+        events = handle.stream()
+        await asyncio.to_thread(worker.emit, rid, 0, ["a", "b"])
+        seen = [await anext(events), await anext(events)]
+        assert r.client_kill_filter(_type="pubsub") >= 1
+        await asyncio.to_thread(worker.emit, rid, 2, ["c", "d"])
+        await asyncio.to_thread(worker.finish, rid, num_tokens=4)
+        seen += [e async for e in events]
+        tokens = [e for e in seen if isinstance(e, TokenEvent)]
+        assert [t.index for t in tokens] == [0, 1, 2, 3]
+        assert "".join(t.text for t in tokens) == "abcd"
+        assert isinstance(seen[-1], TerminalEvent) and len(seen) == 5
+        assert client._subscriber.connects >= 2
+
+    run(settings, body)
+
+
+def test_policies_ids_cancel_deadline(settings: Settings, client: Client) -> None:
+    async def body(aclient: AsyncClient) -> None:
+        await aclient.set_queue_config("normal", max_waiting=2, policy="drop_oldest")
+        first = await aclient.submit("a", request_id="same")
+        assert (await aclient.submit("other", request_id="same")).request_id == "same"
+        await aclient.submit("b")
+        with pytest.raises(Overloaded):
+            await aclient.try_submit("c")
+        await aclient.submit("c")  # evicts the oldest
+        with pytest.raises(RequestFailed, match="dropped"):
+            await first.result(timeout=10)
+        stats = await aclient.queue_stats()
+        assert stats == client.queue_stats()
+        assert [(s.priority, s.waiting) for s in stats] == [("normal", 2)]
+
+        out = await aclient.submit_many(["x", {"prompt": "y", "priority": "batch"}])
+        assert [type(h).__name__ for h in out] == ["AsyncHandle", "AsyncHandle"]
+        queued = out[1]
+        assert not isinstance(queued, Exception)
+        assert await queued.cancel() is True
+        with pytest.raises(RequestFailed, match="cancelled"):
+            await queued.result(timeout=10)
+        assert await aclient.cancel(queued.request_id) is False
+        with pytest.raises(UnknownRequest):
+            await aclient.status("nope")
+
+        late = await aclient.submit("late", priority="critical", deadline_s=0.2)
+        with pytest.raises(RequestFailed, match="expired"):
+            await late.result(timeout=20)
+        assert (await aclient.status(late.request_id)).status.value == "expired"
+        with pytest.raises(InvalidRequest, match="top_p"):
+            await aclient.submit("x", top_p=0)
+
+    run(settings, body)

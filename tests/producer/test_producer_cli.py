@@ -1,0 +1,91 @@
+"""``tokenfleet submit`` and ``tokenfleet queues``, in-process and once as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from producer_helpers import FakeWorker
+
+from tokenfleet.worker.cli import main
+
+TOKENFLEET = Path(sys.executable).parent / "tokenfleet"
+
+
+@pytest.fixture(autouse=True)
+def _prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", "tft")
+
+
+def _serve_in_thread(worker: FakeWorker, texts: list[str]) -> threading.Thread:
+    thread = threading.Thread(target=worker.serve, args=(texts,))
+    thread.start()
+    return thread
+
+
+def test_submit_prints_text_streamed_and_json(
+    redis_url: str, worker: FakeWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    thread = _serve_in_thread(worker, ["Hi", " there"])
+    assert main(["submit", "hello", "--stream", "--redis-url", redis_url]) == 0
+    thread.join(30)
+    assert capsys.readouterr().out == "Hi there\n"
+
+    thread = _serve_in_thread(worker, ["ok"])
+    code = main(["submit", "hello", "--json", "--request-id", "cli-1", "--redis-url", redis_url])
+    thread.join(30)
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["request_id"], out["text"], out["status"]) == ("cli-1", "ok", "done")
+
+
+def test_submit_reports_failures(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--redis-url", redis_url]
+    assert main(["queues", "--max-waiting", "0", "--priority", "batch", *args]) == 0
+    capsys.readouterr()
+    assert main(["submit", "x", "--priority", "batch", *args]) == 1
+    assert "is full" in capsys.readouterr().err
+    assert main(["submit", "x", "--top-p", "2", *args]) == 1
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    code = main(["submit", "x", "--json", "--deadline", "0.1", "--priority", "critical", *args])
+    assert code == 1
+    assert json.loads(capsys.readouterr().out)["status"] == "expired"
+    assert main(["submit", "x", "--detach", *args]) == 0
+    assert len(capsys.readouterr().out.strip()) == 32
+
+
+def test_queues_shows_and_sets(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--redis-url", redis_url]
+    assert main(["queues", *args]) == 0
+    assert "no queues yet" in capsys.readouterr().out
+    assert main(["queues", "--max-waiting", "7", "--policy", "drop_oldest", *args]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["MODEL", "PRIORITY", "WAITING", "RUNNING", "MAX_WAITING", "POLICY"]
+    assert [line.split() for line in table[1:]] == [
+        ["default", p, "0", "0", "7", "drop_oldest"] for p in ("critical", "normal", "batch")
+    ]
+    assert main(["queues", "--priority", "batch", "--policy", "block", "--json", *args]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["priority"], r["max_waiting"], r["policy"]) for r in rows][-1] == (
+        "batch",
+        7,
+        "block",
+    )
+
+
+def test_installed_entry_point(redis_url: str) -> None:
+    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": "tft"}
+    out = subprocess.run(
+        [str(TOKENFLEET), "queues", "--json", "--redis-url", redis_url],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(out.stdout) == []
