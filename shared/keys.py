@@ -15,7 +15,10 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:worker:NAME      hash: a worker's heartbeat (expires with its TTL)
     P:workers          sorted set: worker name -> last heartbeat (seconds)
     P:dead             stream: dead-letter entries (undecodable or invalid requests)
-    P:pool:NAME        hash: a shared KV pool's settings and per-member holdings
+    P:pool:NAME        hash: a shared KV pool's settings and counters
+    P:pool:NAME:members  hash: member -> JSON state (weight, held, active, lease expiry, ...)
+    P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
+    P:pools            set of pool names
 """
 
 from __future__ import annotations

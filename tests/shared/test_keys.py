@@ -62,4 +62,4 @@ def test_priority_parse() -> None:
     with pytest.raises(InvalidRequest, match=r"unknown priority .urgent.*critical, normal, batch"):
         Priority.parse("urgent")
     with pytest.raises(InvalidRequest):
-        Priority.parse(True)  # type: ignore[arg-type]
+        Priority.parse(True)

@@ -31,7 +31,7 @@ def make(**kw: Any) -> GenerationRequest:
 def test_request_round_trip_keeps_every_field() -> None:
     req = make(
         sampling=SamplingParams(
-            max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=["\n"], ignore_eos=True
+            max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, seed=3, stop=("\n",), ignore_eos=True
         ),
         priority="critical",
         model="m/x",
@@ -141,7 +141,7 @@ def test_events_round_trip() -> None:
     )
     back = decode_event(term.encode())
     assert back == term and isinstance(back, TerminalEvent) and back.code == "done"
-    err = TerminalEvent("r1", "error", code="worker_lost", message="gone")
+    err = TerminalEvent("r1", TerminalStatus.ERROR, code="worker_lost", message="gone")
     assert decode_event(err.encode()) == err
 
 

@@ -10,6 +10,7 @@ import redis
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, ScriptError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, decode_event
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
@@ -71,14 +72,16 @@ def _finish(r: redis.Redis, keys: Keys, status: TerminalStatus, stream_id: str =
 def test_finish_publishes_exactly_one_terminal_event(r: redis.Redis, keys: Keys) -> None:
     stream = keys.stream("default", Priority.NORMAL)
     r.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
-    entry = r.xadd(stream, {"id": "req1", "d": "{}"}).decode()
+    entry = as_str(r.xadd(stream, {"id": "req1", "d": "{}"}))
+    assert entry is not None
     r.xreadgroup(CONSUMER_GROUP, "w1", {stream: ">"}, count=1)
     r.hset(keys.record("req1"), mapping={"status": "running"})
     r.sadd(keys.cancel_set, "req1")
 
     pubsub = r.pubsub()
     pubsub.subscribe(keys.channel("req1"))
-    assert pubsub.get_message(timeout=1.0)["type"] == "subscribe"  # type: ignore[index]
+    confirmation = pubsub.get_message(timeout=1.0)
+    assert confirmation is not None and confirmation["type"] == "subscribe"
 
     results: list[str] = []
     statuses = [TerminalStatus.CANCELLED, TerminalStatus.DONE, TerminalStatus.ERROR] * 3
@@ -98,7 +101,7 @@ def test_finish_publishes_exactly_one_terminal_event(r: redis.Redis, keys: Keys)
     assert isinstance(event, TerminalEvent)
     assert pubsub.get_message(timeout=0.2) is None  # no second terminal event
     record = r.hgetall(keys.record("req1"))
-    assert record[b"status"].decode() == event.status.value
+    assert as_str(record[b"status"]) == event.status.value
     assert record[b"text"] == b"final"
     assert 0 < r.ttl(keys.record("req1")) <= 60
     assert r.xlen(stream) == 0  # XDEL

@@ -1,0 +1,140 @@
+"""The worker's Lua scripts: start a request, append a step's tokens, hand a request back.
+
+Each keeps one invariant of the durable record atomically:
+
+* ``START`` moves ``queued -> running`` (or notices the request must not run), so a worker
+  never starts a cancelled, expired, terminal or poisoned request.
+* ``APPEND_TOKENS`` appends only while the caller still owns the request and only at the
+  index the list has reached, so the token list (and the channel) stays gap-free and
+  duplicate-free even when a worker that was presumed dead wakes up.
+* ``HANDBACK`` re-queues a running request at the tail of its stream (new entry, old one acked
+  and deleted) so that any worker resumes it at once from its token list.
+"""
+
+from __future__ import annotations
+
+from tokenfleet.shared.scripts.registry import LuaScript
+
+START = LuaScript(
+    name="worker_start",
+    ok_codes=frozenset({"missing", "foreign", "terminal", "cancelled", "expired", "poison"}),
+    source="""
+-- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
+-- KEYS[3] = cancel set
+-- ARGV[1] = request id                   ARGV[2] = worker name
+-- ARGV[3] = now (epoch seconds)          ARGV[4] = stream entry id
+-- ARGV[5] = consumer group name          ARGV[6] = poison limit (max workers per request)
+-- ARGV[7] = deadline (epoch seconds) or ""
+-- KEYS[4] = request token list
+-- Returns one of
+--   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
+--                                 events are the token list (what earlier workers published)
+--   {"missing"}                   no record (never enqueued properly, or its TTL lapsed)
+--   {"foreign", stream_id}        the record belongs to another entry; this one is acked+deleted
+--   {"terminal", status}          already ended; the entry is acked+deleted
+--   {"cancelled"}                 cancellation was asked for: caller finishes it cancelled
+--   {"expired"}                   never started and its deadline passed: caller finishes expired
+--   {"poison", attempts}          taken by more than ARGV[6] workers: caller finishes worker_lost
+local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'started_at', 'attempts',
+                     'num_tokens')
+local status = h[1]
+if not status then
+  return {'missing'}
+end
+if h[2] and h[2] ~= ARGV[4] then
+  redis.call('XACK', KEYS[2], ARGV[5], ARGV[4])
+  redis.call('XDEL', KEYS[2], ARGV[4])
+  return {'foreign', h[2]}
+end
+if status ~= 'queued' and status ~= 'running' then
+  redis.call('XACK', KEYS[2], ARGV[5], ARGV[4])
+  redis.call('XDEL', KEYS[2], ARGV[4])
+  return {'terminal', status}
+end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then
+  return {'cancelled'}
+end
+local started = h[3] and h[3] ~= ''
+if not started and ARGV[7] ~= '' and tonumber(ARGV[7]) <= tonumber(ARGV[3]) then
+  return {'expired'}
+end
+local attempts = tonumber(h[4] or '0') + 1
+if attempts > tonumber(ARGV[6]) then
+  return {'poison', tostring(attempts - 1)}
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'attempts', attempts)
+if not started then
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
+end
+local out = {'ok', tostring(attempts), h[5] or '0'}
+if tonumber(h[5] or '0') > 0 then
+  for _, ev in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    out[#out + 1] = ev
+  end
+end
+return out
+""",
+)
+
+APPEND_TOKENS = LuaScript(
+    name="worker_append_tokens",
+    ok_codes=frozenset({"lost", "gap"}),
+    source="""
+-- KEYS[1] = request record hash          KEYS[2] = request token list
+-- KEYS[3] = request channel
+-- ARGV[1] = worker name                  ARGV[2] = index of the first event below
+-- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
+-- ARGV[5..] = encoded token events, in index order
+-- Returns {"ok"}; {"lost", status, holder} if the caller no longer runs the request; or
+-- {"gap", length} if the list does not end at ARGV[2]. Nothing is written unless "ok".
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker')
+if h[1] ~= 'running' or h[2] ~= ARGV[1] then
+  return {'lost', tostring(h[1]), tostring(h[2])}
+end
+local n = redis.call('LLEN', KEYS[2])
+local first = tonumber(ARGV[2])
+if n ~= first then
+  return {'gap', tostring(n)}
+end
+for i = 5, #ARGV do
+  redis.call('RPUSH', KEYS[2], ARGV[i])
+  redis.call('PUBLISH', KEYS[3], ARGV[i])
+end
+redis.call('HSET', KEYS[1], 'num_tokens', n + #ARGV - 4)
+if first == 0 then
+  redis.call('HSET', KEYS[1], 'first_token_at', ARGV[3])
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
+return {'ok'}
+""",
+)
+
+HANDBACK = LuaScript(
+    name="worker_handback",
+    ok_codes=frozenset({"lost"}),
+    source="""
+-- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
+-- ARGV[1] = request id                   ARGV[2] = worker name
+-- ARGV[3] = stream entry id              ARGV[4] = consumer group name
+-- ARGV[5] = entry field d (payload)
+-- Returns {"ok", new_entry_id}: the request is queued again at the tail of its stream (the
+-- handback does not count as an attempt; its deadline is dropped, field "deadline" and the new
+-- entry's dl, because it has started); or {"lost"} if the caller no longer runs it (a terminal
+-- record's entry is still acked and deleted).
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker')
+if h[1] ~= 'running' or h[2] ~= ARGV[2] then
+  if h[1] and h[1] ~= 'running' and h[1] ~= 'queued' then
+    redis.call('XACK', KEYS[2], ARGV[4], ARGV[3])
+    redis.call('XDEL', KEYS[2], ARGV[3])
+  end
+  return {'lost'}
+end
+local new = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1], 'd', ARGV[5], 'dl', '')
+redis.call('XACK', KEYS[2], ARGV[4], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'stream_id', new)
+redis.call('HDEL', KEYS[1], 'deadline')
+redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+return {'ok', new}
+""",
+)
