@@ -1,0 +1,215 @@
+"""Decode-step benchmark: tokenfleet's paged ModelRunner against Hugging Face's padded batch decode.
+
+One decode step = every sequence of the batch gets one new token attended over its context.
+Prompts hold ``context - block_size / 2`` tokens; successive steps decode the next
+``block_size`` positions in turn and then start over, so contexts average ``context`` tokens and
+every sequence opens a new KV block once per cycle, as in a real decode.
+
+* tokenfleet: ``ModelRunner.execute`` of a fresh ``StepBatch`` of single-token chunks (index
+  tensors built from the batch each step, as in the engine), one runner per side, with block
+  tables either as the engine's ``BlockManager`` hands them out (prompt allocated, then one slot
+  per step) or shuffled across the pool (worst case: no two blocks of a table adjacent).
+* Hugging Face: ``model(input_ids[B, 1], attention_mask, position_ids,
+  past_key_values=DynamicCache)`` on the left-padded batch, default attention (sdpa) and eager;
+  the cache is cropped back after each cycle (untimed).
+
+Every side computes the same logits (checked first). Repetitions are interleaved and their order
+alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; medians after warm-up.
+
+    .venv/bin/python benchmarks/bench_decode_step.py          # 32 seqs x ~128 tokens, 2 threads
+    .venv/bin/python benchmarks/bench_decode_step.py --threads 1 --clock cpu   # on a busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class Side:
+    name: str
+    step: Callable[[], torch.Tensor]  # one decode step; returns next-token logits [batch, vocab]
+    reset: Callable[[], None] = lambda: None  # untimed: undo what step changed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="decode step: tokenfleet vs HF DynamicCache")
+    parser.add_argument("--model", help="model folder (default: a fresh tiny llama, seed 0)")
+    parser.add_argument("--batch", type=int, default=32, help="sequences decoding together")
+    parser.add_argument("--context", type=int, default=128, help="tokens already cached per seq")
+    parser.add_argument("--jitter", type=int, default=0, help="context lengths vary by ± this")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=300, help="timed repetitions per side")
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: perf_counter; cpu: this thread's CPU time (needs --threads 1; steadier when "
+        "other processes share the cores, since waiting for a core is not counted)",
+    )
+    return parser
+
+
+def tokenfleet_side(
+    model_dir: Path,
+    prompts: list[list[int]],
+    lengths: list[int],
+    args: argparse.Namespace,
+    *,
+    shuffled: bool,
+) -> Side:
+    from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
+    from tokenfleet.worker.engine.block_manager import BlockManager
+    from tokenfleet.worker.engine.model_runner import ModelRunner
+
+    bs, batch = args.block_size, len(prompts)
+    per_seq = -(-(max(lengths) + bs) // bs)
+    pool = 2 * batch * per_seq
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=bs,
+                         num_kv_blocks=pool)  # fmt: skip
+    if shuffled:  # worst case: no two consecutive blocks of a table adjacent in memory
+        blocks = list(range(pool))
+        random.Random(args.seed).shuffle(blocks)
+        tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(batch)]
+    else:  # as the engine's BlockManager hands them out: the prompt, then one slot per step
+        manager = BlockManager(pool, bs, enable_prefix_caching=False)
+        for i, n in enumerate(lengths):
+            manager.allocate(str(i), n)
+        for _ in range(bs):
+            for i in range(batch):
+                manager.append(str(i))
+        tables = [manager.block_table(str(i)) for i in range(batch)]
+    for i, (toks, n) in enumerate(zip(prompts, lengths, strict=True)):
+        runner.execute(StepBatch([ScheduledSeq(str(i), toks[:n], 0, tables[i], False)]))
+    # Phase p decodes the token at position n + p of every sequence: block_size steps per cycle,
+    # so each sequence starts a new block once per cycle, as in a real decode.
+    phases = [
+        [
+            ScheduledSeq(str(i), [toks[n + p]], n + p, tables[i], True)
+            for i, (toks, n) in enumerate(zip(prompts, lengths, strict=True))
+        ]
+        for p in range(bs)
+    ]
+    phase = [0]
+
+    def step() -> torch.Tensor:
+        seqs = phases[phase[0]]
+        phase[0] = (phase[0] + 1) % bs
+        return runner.execute(StepBatch(list(seqs)))  # a fresh batch per step, as in the engine
+
+    return Side(f"tokenfleet, {'shuffled' if shuffled else 'BlockManager'} tables", step)
+
+
+def hf_side(
+    model_dir: Path, impl: str, prompts: list[list[int]], lengths: list[int], block_size: int
+) -> Side:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl).eval()
+    batch, width = len(prompts), max(lengths)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width + block_size, dtype=torch.long)
+    for i, (toks, n) in enumerate(zip(prompts, lengths, strict=True)):
+        ids[i, width - n :] = torch.tensor(toks[:n])
+        mask[i, width - n :] = 1
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
+          past_key_values=cache, use_cache=True)  # fmt: skip
+    step_ids = [
+        torch.tensor([[toks[n + p]] for toks, n in zip(prompts, lengths, strict=True)])
+        for p in range(block_size)
+    ]
+    step_pos = [torch.tensor([[n + p] for n in lengths]) for p in range(block_size)]
+    phase = [0]
+
+    def step() -> torch.Tensor:
+        p = phase[0]
+        out = model(input_ids=step_ids[p], attention_mask=mask[:, : width + p + 1],
+                    position_ids=step_pos[p], past_key_values=cache, use_cache=True)  # fmt: skip
+        return out.logits[:, -1]
+
+    def reset() -> None:  # untimed: next phase; back to the prompt after a full cycle
+        phase[0] = (phase[0] + 1) % block_size
+        if phase[0] == 0:
+            cache.crop(-block_size)
+
+    return Side(f"HF {impl} + DynamicCache", step, reset)
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    from tokenfleet.worker.tiny_model import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")
+        rng = random.Random(args.seed)
+        # Prompts of context - block_size / 2 tokens; each step decodes one of the next
+        # block_size tokens in turn, so contexts average ``context`` tokens.
+        base = args.context - args.block_size // 2
+        lengths = [base + rng.randint(-args.jitter, args.jitter) for _ in range(args.batch)]
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        prompts = [[rng.randrange(5, vocab) for _ in range(n + args.block_size)] for n in lengths]
+        sides = [
+            tokenfleet_side(model_dir, prompts, lengths, args, shuffled=shuffled)
+            for shuffled in (False, True)
+        ]
+        sides += [
+            hf_side(model_dir, impl, prompts, lengths, args.block_size)
+            for impl in ("sdpa", "eager")
+        ]
+
+    # Same next-token logits on every side, or the comparison means nothing.
+    reference = sides[0].step()
+    for side in sides[1:]:
+        diff = float((side.step() - reference).abs().max())
+        side.reset()
+        print(f"max |logit diff| vs {side.name}: {diff:.1e}")
+    times: dict[str, list[float]] = {side.name: [] for side in sides}
+    for rep in range(args.warmup + args.reps):
+        for side in sides if rep % 2 == 0 else sides[::-1]:
+            start = clock()
+            side.step()
+            elapsed = clock() - start
+            side.reset()
+            if rep >= args.warmup:
+                times[side.name].append(elapsed)
+
+    base = statistics.median(times["HF sdpa + DynamicCache"])
+    print(
+        f"\ndecode step: {args.batch} seqs x {args.context}±{args.jitter} tokens of context, "
+        f"block size {args.block_size}, {args.threads} threads, {args.reps} interleaved reps, "
+        f"{args.clock} clock"
+    )
+    print(f"| {'side':34s} | median ms | p10 ms | p90 ms | ÷ HF sdpa |")
+    print(f"|{'-' * 36}|-----------|--------|--------|-----------|")
+    for name, samples in times.items():
+        deciles = statistics.quantiles(samples, n=10)
+        med = statistics.median(samples)
+        print(f"| {name:34s} | {med * 1e3:9.2f} | {deciles[0] * 1e3:6.2f} | "
+              f"{deciles[-1] * 1e3:6.2f} | {med / base:9.2f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The in-process inference engine: add requests, call ``step()``, read what each request produced.
+
+``step()`` is schedule → run → postprocess. No Redis here: the worker service feeds the engine
+between steps and publishes what ``step()`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from tokenfleet.shared.priority import Priority
+from tokenfleet.worker.engine.batch import StepBatch
+from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
+from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
+from tokenfleet.worker.engine.outputs import (
+    CompletionOutput,
+    EngineCapacity,
+    RequestOutput,
+    StepStats,
+)
+from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tokenfleet.worker.engine.sampler import Sampler
+from tokenfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineCapacity",
+    "EngineConfig",
+    "RequestOutput",
+    "StepStats",
+]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings. ``None`` means "derive it": the KV pool from the device's free memory (the
+    model runner decides), ``max_model_len`` from the model config capped by the pool."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV pool size in blocks ...
+    kv_memory_bytes: int | None = None  # ... or in bytes (give at most one of the two)
+    max_num_seqs: int = 32  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens computed per step at most (chunked prefill)
+    max_model_len: int | None = None  # prompt + output tokens per request at most
+    enable_prefix_caching: bool = True
+    max_wait_steps: int | None = None  # anti-starvation: boost after this many waiting steps
+    max_wait_s: float | None = 30.0  # anti-starvation: boost after this many waiting seconds
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
+    seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+        if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        # the scheduler's own checks, raised now rather than at model load
+        SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_wait_steps=self.max_wait_steps,
+            max_wait_s=self.max_wait_s,
+        )
+
+
+class ModelRunnerLike(Protocol):
+    """What the engine needs from ``model_runner.ModelRunner`` (fakes in tests provide it too)."""
+
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    device: torch.device
+
+    def execute(self, batch: StepBatch) -> torch.Tensor: ...
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    Invariants:
+        * every request added is reported finished exactly once by ``step()`` (stop, length,
+          abort or error), after which its id may be reused;
+        * output token ``i`` of a request is reported once, with ``first_index`` counting from
+          the resumed tokens, and its text pieces concatenate to the request's final text;
+        * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``
+          (single-threaded: call them from one thread).
+    """
+
+    tokenizer: Any  # public: the worker applies chat templates with it
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        config: EngineConfig | None = None,
+        **overrides: Any,
+    ) -> None:
+        config = _with_overrides(config or EngineConfig(), overrides)
+        from transformers import AutoTokenizer
+
+        from tokenfleet.worker.engine.model_runner import ModelRunner
+
+        runner = ModelRunner(
+            os.fspath(model),
+            device=config.device,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks,
+            kv_memory_bytes=config.kv_memory_bytes,
+            max_model_len=config.max_model_len,
+        )
+        self._setup(runner, AutoTokenizer.from_pretrained(os.fspath(model)), config)
+
+    @classmethod
+    def from_runner(
+        cls, runner: ModelRunnerLike, tokenizer: Any, config: EngineConfig | None = None
+    ) -> Engine:
+        """An engine over an existing runner and tokenizer (tests, or a runner built elsewhere)."""
+        engine = cls.__new__(cls)
+        engine._setup(runner, tokenizer, config or EngineConfig())
+        return engine
+
+    def _setup(self, runner: ModelRunnerLike, tokenizer: Any, config: EngineConfig) -> None:
+        pool_tokens = runner.num_kv_blocks * runner.block_size
+        if config.max_model_len is not None and config.max_model_len > pool_tokens:
+            raise ValueError(
+                f"max_model_len is {config.max_model_len} but the KV cache holds only "
+                f"{pool_tokens} tokens ({runner.num_kv_blocks} blocks of {runner.block_size}); "
+                "give more KV memory or a smaller max_model_len"
+            )
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = min(config.max_model_len or runner.max_model_len, pool_tokens)
+        self.block_manager = BlockManager(
+            runner.num_kv_blocks,
+            runner.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                max_wait_steps=config.max_wait_steps,
+                max_wait_s=config.max_wait_s,
+            ),
+            self.block_manager,
+        )
+        self.sampler = Sampler(device=runner.device, seed=config.seed)
+        self.eos_token_ids = frozenset(runner.eos_token_ids)
+        self.last_step_stats = StepStats()
+        self._requests: dict[str, Request] = {}  # every request not yet reported finished
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []  # finished outside step(): reported by the next
+        self._arrivals = itertools.count()
+        self._generate_ids = itertools.count()
+
+    # ---------------------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: Priority = Priority.NORMAL,
+        arrival_time: float | None = None,
+        resume_output_ids: Sequence[int] = (),
+    ) -> None:
+        """Queue a request. Raises ``ValueError`` for a duplicate id or invalid tokens.
+
+        ``resume_output_ids``: tokens a previous worker already generated and published. They
+        count toward ``max_tokens``, are part of the context (recomputed), prime the text and
+        stop-string state, and the next token reported has index ``len(resume_output_ids)``.
+        A request that can never run (prompt over ``max_model_len`` or the KV pool) or that the
+        resumed tokens already ended is reported finished by the next ``step()``.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids = list(self.tokenizer.encode(prompt))
+        else:
+            prompt_ids = self._checked_ids(prompt, "prompt")
+        if not prompt_ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        resume_ids = self._checked_ids(resume_output_ids, "resume_output_ids")
+        req = Request(
+            request_id,
+            prompt_ids,
+            params,
+            priority=Priority(priority),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            arrival_seq=next(self._arrivals),
+            resume_output_ids=resume_ids,
+        )
+        detok = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop=params.stop
+        )
+        for token_id in resume_ids:
+            detok.push(token_id)  # already published by the previous worker
+        self._requests[request_id] = req
+        self._detokenizers[request_id] = detok
+
+        refusal = self.scheduler.refusal(req)
+        reason = FinishReason.ERROR if refusal else self._resume_finish_reason(req, detok)
+        if reason is None:
+            self.scheduler.add(req)
+            return
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error_code, req.error_message = refusal or (None, None)
+        req.timings.finish_time = time.time()
+        self._pending.append(self._output(req, [], []))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. True if it was unfinished.
+
+        The next ``step()`` reports it finished with ``FinishReason.ABORT``."""
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return False
+        self._pending.append(self._output(req, [], []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        """True while some request is not yet reported finished."""
+        return bool(self._requests)
+
+    def capacity(self) -> EngineCapacity:
+        waiting, running = self.scheduler.waiting, self.scheduler.running
+        block_size = self.block_manager.block_size
+        num_needed = sum(num_blocks_for(r.num_tokens, block_size) for r in waiting)
+        return EngineCapacity(
+            free_seq_slots=max(0, self.config.max_num_seqs - len(running) - len(waiting)),
+            free_kv_blocks=max(0, self.block_manager.num_free_blocks - num_needed),
+            num_waiting=len(waiting),
+            num_running=len(running),
+            block_size=block_size,
+        )
+
+    # -------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns what each request produced (new tokens or its end)."""
+        start = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        logits = self.runner.execute(scheduled.batch) if scheduled.batch.seqs else None
+        outputs = self._postprocess(scheduled, logits)
+        self._record_stats(scheduled, outputs, time.perf_counter() - start)
+        return outputs
+
+    def _postprocess(
+        self, scheduled: SchedulerOutput, logits: torch.Tensor | None
+    ) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        outputs.extend(self._output(req, [], []) for req in scheduled.finished)
+        self.scheduler.update_after_step(scheduled)
+        sampling = [
+            req
+            for req, seq in zip(scheduled.requests, scheduled.batch.seqs, strict=True)
+            if seq.needs_logits
+        ]
+        if sampling:
+            if logits is None or logits.shape[0] != len(sampling):
+                raise RuntimeError(
+                    f"model runner returned {None if logits is None else logits.shape[0]} "
+                    f"rows of logits for {len(sampling)} sequences"
+                )
+            token_ids = self.sampler.sample(
+                logits, [r.params for r in sampling], [r.num_output_tokens for r in sampling]
+            )
+            now = time.time()
+            for req, token_id in zip(sampling, token_ids, strict=True):
+                outputs.append(self._advance(req, token_id, now))
+        for out in outputs:
+            if out.finished:
+                del self._requests[out.request_id]
+                del self._detokenizers[out.request_id]
+        return outputs
+
+    def _advance(self, req: Request, token_id: int, now: float) -> RequestOutput:
+        """Append one sampled token, decode it, and finish the request if it must stop."""
+        timings = req.timings
+        if timings.first_token_time is None:
+            timings.first_token_time = now
+        timings.num_generated_tokens += 1
+        req.append_token(token_id)
+        detok = self._detokenizers[req.request_id]
+        piece = detok.push(token_id)
+        reason = self._stop_reason(req, token_id, detok)
+        if reason is not None:
+            if not detok.stopped:
+                piece += detok.finish()
+                if detok.stopped:  # the flushed tail completed a stop string
+                    reason = FinishReason.STOP
+            self.scheduler.finish(req, reason)
+        return self._output(req, [token_id], [piece])
+
+    def _stop_reason(
+        self, req: Request, token_id: int, detok: IncrementalDetokenizer
+    ) -> FinishReason | None:
+        params = req.params
+        if detok.stopped or token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _resume_finish_reason(
+        self, req: Request, detok: IncrementalDetokenizer
+    ) -> FinishReason | None:
+        """Whether the resumed tokens alone already end the request (None: it goes on)."""
+        if not req.output_token_ids:
+            return None
+        return self._stop_reason(req, req.output_token_ids[-1], detok)
+
+    def _output(self, req: Request, token_ids: list[int], texts: list[str]) -> RequestOutput:
+        finished = req.status is RequestStatus.FINISHED
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=token_ids,
+            new_texts=texts,
+            first_index=req.num_output_tokens - len(token_ids),
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            error_code=req.error_code,
+            error_message=req.error_message,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            timings=dataclasses.replace(req.timings) if finished else None,
+        )
+
+    def _record_stats(
+        self, scheduled: SchedulerOutput, outputs: list[RequestOutput], duration_s: float
+    ) -> None:
+        seqs = scheduled.batch.seqs
+        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.start_pos > 0)
+        bm = self.block_manager
+        self.last_step_stats = StepStats(
+            step_index=self.scheduler.step_index,
+            num_seqs=len(seqs),
+            num_decode_seqs=num_decode,
+            num_prefill_seqs=len(seqs) - num_decode,
+            num_tokens=scheduled.batch.num_tokens,
+            num_output_tokens=sum(len(o.new_token_ids) for o in outputs),
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_free=bm.num_free_blocks,
+            num_prefix_cache_hit_tokens=scheduled.num_cached_tokens,
+            num_preemptions=scheduled.num_preemptions,
+            num_finished=sum(1 for o in outputs if o.finished),
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            duration_s=duration_s,
+        )
+
+    # ---------------------------------------------------------------------------- helpers
+
+    def _checked_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
+        ids = [int(t) for t in token_ids]
+        vocab_size = self.runner.vocab_size
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(
+                    f"{what} has token id {t}, outside the vocabulary [0, {vocab_size})"
+                )
+        return ids
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
+        """Run ``prompts`` to completion (offline use; the engine must be idle), in order."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drive step() instead")
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
+        batch_id = next(self._generate_ids)
+        ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
+        results = {rid: CompletionOutput(request_id=rid) for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
+            self.add_request(rid, prompt, p)
+            results[rid].prompt_token_ids = list(self._requests[rid].prompt_token_ids)
+        while self.has_unfinished():
+            for out in self.step():
+                res = results[out.request_id]
+                res.token_ids.extend(out.new_token_ids)
+                res.text += out.new_text
+                if out.finished:
+                    res.finish_reason = out.finish_reason
+                    res.error_code, res.error_message = out.error_code, out.error_message
+                    res.timings = out.timings
+        return [results[rid] for rid in ids]
+
+
+def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
+    return dataclasses.replace(config, **overrides) if overrides else config
