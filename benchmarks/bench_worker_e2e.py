@@ -1,0 +1,333 @@
+"""End to end through Redis: the worker fleet against the in-process engine, on the same workload.
+
+Three comparisons, measured side by side in one run, each side replaying a seeded workload from
+``workload.make_workload`` in real time (Poisson arrivals, greedy; EOS is *not* ignored because
+the producer's ``submit`` has no ``ignore_eos``, so each side counts the tokens it really got;
+greedy decoding makes them equal, which the run checks):
+
+* ``engine``: ``Engine.step()`` in this process, requests added at their arrival (1 torch thread).
+* ``fleet-1``: one ``tokenfleet worker`` process (1 torch thread) behind a private redis-server;
+  this process submits each request with the producer's ``Client.submit`` at its arrival and
+  times the events it receives on the channels (one PSUBSCRIBE listener).
+* ``fleet-2``: two worker processes (1 thread each), on a heavier workload that keeps both busy
+  (all requests arrive within half a second), compared with ``fleet-1`` on that same workload.
+
+The first workload is the engine benchmark's default (64 requests at 20/s, prompts 16-256 tokens,
+max_tokens 8-256).
+
+Throughput = output tokens / (last terminal event - workload start). TTFT = first token seen by
+the client (fleet) or sampled (engine) - scheduled arrival. Run::
+
+    .venv/bin/python benchmarks/bench_worker_e2e.py            # about 2 minutes on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import Workload, make_workload, percentile
+
+
+@dataclass
+class Side:
+    name: str
+    num_output_tokens: int = 0
+    makespan_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    # fleet only, per request: TTFT split at the record's timestamps (seconds)
+    phases: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def throughput(self) -> float:
+        return self.num_output_tokens / self.makespan_s if self.makespan_s else 0.0
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return percentile(self.ttft_s, 50) * 1000
+
+    @property
+    def ttft_p90_ms(self) -> float:
+        return percentile(self.ttft_s, 90) * 1000
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="model folder (default: the cached tiny llama)")
+    p.add_argument("--requests", type=int, default=64, help="requests, engine-bench workload")
+    p.add_argument("--rate", type=float, default=20.0, help="arrivals/s, engine-bench workload")
+    p.add_argument("--heavy-requests", type=int, default=96)
+    p.add_argument("--heavy-rate", type=float, default=200.0, help="arrivals/s, heavy workload")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="use this Redis (every side gets a unique key prefix) instead of "
+        "starting a private redis-server",
+    )
+    return p
+
+
+def run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.engine.request import SamplingParams
+
+    engine = Engine(model, device="cpu", max_num_seqs=args.max_num_seqs)
+    engine.generate([[7] * 40] * 4, SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    side = Side("engine")
+    pending = deque(wl.requests)
+    start = time.time()
+    last = start
+    while pending or engine.has_unfinished():
+        now = time.time()
+        while pending and start + pending[0].arrival_s <= now:
+            r = pending.popleft()
+            params = SamplingParams(temperature=0, max_tokens=r.max_tokens)
+            engine.add_request(
+                r.request_id, r.prompt_token_ids, params, arrival_time=start + r.arrival_s
+            )
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, start + pending[0].arrival_s - time.time()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                t = out.timings
+                if t is None or t.ttft_s is None or t.finish_time is None:
+                    raise RuntimeError(f"{out.request_id} finished without timings")
+                side.num_output_tokens += out.num_output_tokens
+                side.ttft_s.append(t.ttft_s)
+                last = max(last, t.finish_time)
+    side.makespan_s = last - start
+    return side
+
+
+class Listener:
+    """Times every event on ``PREFIX:ch:*`` as this process receives it."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        self.client = redis.Redis.from_url(url)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.psubscribe(f"{prefix}:ch:*")
+        while True:  # wait for the subscription to be confirmed
+            msg = self.pubsub.get_message(timeout=1.0)
+            if msg and msg["type"] == "psubscribe":
+                break
+        self.first: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+        self.done: dict[str, float] = {}
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            msg = self.pubsub.get_message(timeout=0.2)
+            if not msg or msg["type"] != "pmessage":
+                continue
+            now = time.time()
+            ev = orjson.loads(msg["data"])
+            rid = ev["id"]
+            if ev["type"] == "token":
+                self.first.setdefault(rid, now)
+                self.tokens[rid] = self.tokens.get(rid, 0) + 1
+            else:
+                self.done[rid] = now
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join()
+        self.pubsub.close()
+        self.client.close()
+
+
+def run_fleet(
+    name: str, model: str, url: str, num_workers: int, wl: Workload, args: argparse.Namespace
+) -> Side:
+    from tokenfleet.producer import Client
+    from tokenfleet.shared.settings import Settings
+    from tokenfleet.worker.fleet import LocalFleet, delete_prefix
+
+    prefix = f"bench-{uuid.uuid4().hex[:6]}"
+    settings = Settings(redis_url=url, key_prefix=prefix, record_ttl_s=600)
+    fleet = LocalFleet(
+        model,
+        url,
+        key_prefix=prefix,
+        num_workers=num_workers,
+        extra_args=["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"],
+    )
+    fleet.start()
+    listener = Listener(url, prefix)
+    try:
+        with Client.from_url(url, settings=settings) as client:
+            warm = [
+                client.submit(prompt=[7] * 40, max_tokens=8, temperature=0)
+                for _ in range(2 * num_workers)
+            ]
+            for h in warm:
+                h.result(timeout=120)
+            side = Side(name)
+            start = time.time()
+            for r in wl.requests:
+                delay = start + r.arrival_s - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                h = client.submit(
+                    prompt=list(r.prompt_token_ids),
+                    max_tokens=r.max_tokens,
+                    temperature=0,
+                    request_id=f"{r.request_id}-{prefix}",
+                )
+                h.close()
+            ids = {f"{r.request_id}-{prefix}": r for r in wl.requests}
+            deadline = time.time() + 600
+            while not all(rid in listener.done for rid in ids) and time.time() < deadline:
+                time.sleep(0.05)
+        rc = redis.Redis.from_url(url)
+        for rid, r in ids.items():
+            side.num_output_tokens += listener.tokens.get(rid, 0)
+            if rid in listener.first:
+                side.ttft_s.append(listener.first[rid] - (start + r.arrival_s))
+                raw: Any = rc.hgetall(settings_key(prefix, rid))
+                rec = {k.decode(): v for k, v in raw.items()}
+                enq, st, ft = (
+                    float(rec[k]) for k in ("enqueued_at", "started_at", "first_token_at")
+                )
+                for name, value in (
+                    ("submit", enq - (start + r.arrival_s)),
+                    ("queue", st - enq),
+                    ("first token", ft - st),
+                    ("delivery", listener.first[rid] - ft),
+                ):
+                    side.phases.setdefault(name, []).append(value)
+        rc.close()
+        side.makespan_s = max(listener.done.get(rid, time.time()) for rid in ids) - start
+        missing = [rid for rid in ids if rid not in listener.done]
+        if missing:
+            raise RuntimeError(f"{name}: {len(missing)} requests did not finish")
+    finally:
+        listener.close()
+        fleet.stop()
+        fleet.cleanup()
+        delete_prefix(url, prefix)
+    return side
+
+
+def settings_key(prefix: str, rid: str) -> str:
+    from tokenfleet.shared.keys import Keys
+
+    return Keys(prefix).record(rid)
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    import torch
+
+    from tokenfleet.worker.fleet import cached_tiny_model
+    from tokenfleet.worker.local_redis import RedisServer
+
+    torch.set_num_threads(1)
+    model = args.model or str(cached_tiny_model())
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    light = make_workload(
+        args.requests,
+        vocab_size=vocab,
+        rate_per_s=args.rate,
+        prompt_tokens=(16, 128),
+        max_tokens=(16, 128),
+        seed=args.seed,
+    )
+    heavy = make_workload(
+        args.heavy_requests,
+        vocab_size=vocab,
+        rate_per_s=args.heavy_rate,
+        prompt_tokens=(16, 128),
+        max_tokens=(32, 192),
+        seed=args.seed + 1,
+    )
+    print(
+        f"model {model}; cpu cores {os.cpu_count()}; light: {len(light.requests)} requests at "
+        f"{args.rate}/s ({light.num_output_tokens} output tokens); heavy: "
+        f"{len(heavy.requests)} at {args.heavy_rate}/s ({heavy.num_output_tokens} tokens)",
+        flush=True,
+    )
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url or stack.enter_context(RedisServer()).url
+        engine = run_engine(model, light, args)
+        print(f"  engine  done: {engine.throughput:.0f} tok/s", flush=True)
+        one = run_fleet("fleet-1", model, url, 1, light, args)
+        print(f"  fleet-1 done: {one.throughput:.0f} tok/s", flush=True)
+        if one.num_output_tokens != engine.num_output_tokens:
+            raise RuntimeError(
+                f"greedy outputs differ: fleet {one.num_output_tokens} tokens, "
+                f"engine {engine.num_output_tokens}"
+            )
+        one_heavy = run_fleet("fleet-1 heavy", model, url, 1, heavy, args)
+        print(f"  fleet-1 heavy done: {one_heavy.throughput:.0f} tok/s", flush=True)
+        two_heavy = run_fleet("fleet-2 heavy", model, url, 2, heavy, args)
+        print(f"  fleet-2 heavy done: {two_heavy.throughput:.0f} tok/s", flush=True)
+    print()
+    print(
+        "| side | workload | output tokens | output tok/s | TTFT p50 ms | TTFT p90 ms | "
+        "makespan s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for side, wl_name in (
+        (engine, "light"),
+        (one, "light"),
+        (one_heavy, "heavy"),
+        (two_heavy, "heavy"),
+    ):
+        print(
+            f"| {side.name} | {wl_name} | {side.num_output_tokens} | {side.throughput:.0f} | "
+            f"{side.ttft_p50_ms:.1f} | "
+            f"{side.ttft_p90_ms:.1f} | {side.makespan_s:.2f} |"
+        )
+    print()
+    print(
+        "fleet-1 (light) TTFT by phase, p50 ms: "
+        + ", ".join(
+            f"{name} {percentile(values, 50) * 1000:.2f}" for name, values in one.phases.items()
+        )
+    )
+    print(
+        "(submit: arrival -> record written by the producer; queue: -> worker's START; "
+        "first token: -> its token appended; delivery: -> seen by the client)"
+    )
+    print()
+    print("| ratio | value | goal |")
+    print("|---|---:|---|")
+    print(
+        f"| fleet-1 / engine throughput (light) | {one.throughput / engine.throughput:.3f} "
+        f"| >= 0.95 |"
+    )
+    print(
+        f"| fleet-1 - engine TTFT p50 (light) | "
+        f"{one.ttft_p50_ms - engine.ttft_p50_ms:+.1f} ms | <= 2 ms |"
+    )
+    print(
+        f"| fleet-2 / fleet-1 throughput (heavy) | "
+        f"{two_heavy.throughput / one_heavy.throughput:.3f} | report |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Worker-service fixtures: the tiny model (built once), an in-process reference engine, and a
+Redis client on the session's private server that does not flush (module-scoped workers share it;
+each test module uses its own key prefix)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet.worker.local_redis import RedisServer
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama (seed 0) the worker tests serve."""
+    from tokenfleet.worker.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("worker-tiny-llama"), flavour="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ref_engine(tiny_model_dir: Path) -> Any:
+    """An in-process engine on the same model: what a worker's greedy output must equal."""
+    import torch
+
+    from tokenfleet.worker.engine.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture
+def cold_ref_engine(ref_engine: Any) -> Any:
+    """``ref_engine`` with its prefix cache emptied (blocks cached by other tests were computed
+    in other batches; their last-bit rounding can flip a greedy near-tie)."""
+    ref_engine.block_manager.reset_prefix_cache()
+    return ref_engine
+
+
+@pytest.fixture(scope="module")
+def rr(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client on the private server that never flushes (safe beside a running worker)."""
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()

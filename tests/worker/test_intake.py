@@ -1,0 +1,83 @@
+"""Intake against the real server, in process: priority order, anti-starvation, budgets."""
+
+from __future__ import annotations
+
+import redis
+
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.intake import Intake
+
+
+def _intake(r: redis.Redis, settings: Settings, starvation_pulls: int = 3) -> Intake:
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=list(Priority),
+        worker_name="w1",
+        poison_limit=3,
+        starvation_pulls=starvation_pulls,
+    )
+    intake.ensure_groups()
+    return intake
+
+
+def _fill(r: redis.Redis, keys: Keys, priority: Priority, n: int) -> None:
+    for i in range(n):
+        r.xadd(keys.stream("default", priority), {"id": f"{priority.label}-{i}", "d": b"{}"})
+
+
+def test_groups_are_created_once_and_queues_registered(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    _intake(r, settings)
+    _intake(r, settings)  # BUSYGROUP is fine
+    for p in Priority:
+        groups = r.xinfo_groups(keys.stream("default", p))
+        assert [g["name"] for g in groups] == [CONSUMER_GROUP.encode()]
+    assert r.smembers(keys.queues) == {f"default|{p.label}".encode() for p in Priority}
+
+
+def test_pull_takes_the_most_urgent_first_within_the_budget(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = _intake(r, settings)
+    _fill(r, keys, Priority.BATCH, 3)
+    _fill(r, keys, Priority.NORMAL, 2)
+    _fill(r, keys, Priority.CRITICAL, 1)
+    got = intake.pull(4)
+    assert [e.priority for e in got] == [
+        Priority.CRITICAL,
+        Priority.NORMAL,
+        Priority.NORMAL,
+        Priority.BATCH,
+    ]
+    assert intake.pull(0) == []
+    # what was not pulled stays in Redis, undelivered, for other workers
+    pending = r.xpending(keys.stream("default", Priority.BATCH), CONSUMER_GROUP)["pending"]
+    assert pending == 1 and r.xlen(keys.stream("default", Priority.BATCH)) == 3
+
+
+def test_a_waiting_lower_level_is_served_at_least_every_n_pulls(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = _intake(r, settings, starvation_pulls=3)
+    _fill(r, keys, Priority.CRITICAL, 20)
+    _fill(r, keys, Priority.BATCH, 2)
+    served = [intake.pull(1)[0].priority for _ in range(8)]
+    # pulls 1-3 skip batch; pull 4 reads it first; then 3 more skips; pull 8 again
+    assert served == [Priority.CRITICAL] * 3 + [Priority.BATCH] + [Priority.CRITICAL] * 3 + [
+        Priority.BATCH
+    ]
+
+
+def test_a_deleted_stream_is_recreated_instead_of_crashing(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = _intake(r, settings)
+    r.flushall()
+    assert intake.pull(5) == []  # NOGROUP: groups recreated
+    _fill(r, keys, Priority.NORMAL, 1)
+    assert len(intake.pull(5)) == 1

@@ -1,0 +1,233 @@
+"""The worker's Lua scripts and the claim rule, in process against the real server."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+from worker_helpers import enqueue, make_request, record
+
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
+from tokenfleet.shared.scripts.worker import APPEND_TOKENS, HANDBACK, START
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.recovery import Claimer, Heartbeat
+
+STREAM = "tft:q:default:normal"
+
+
+def _start(
+    r: redis.Redis,
+    keys: Keys,
+    rid: str,
+    entry: str,
+    worker: str = "w1",
+    deadline: str = "",
+    limit: int = 3,
+) -> list:
+    return registry.call(
+        r,
+        START,
+        [keys.record(rid), STREAM, keys.cancel_set, keys.tokens(rid)],
+        [rid, worker, repr(time.time()), entry, CONSUMER_GROUP, limit, deadline],
+    )
+
+
+def _append(r: redis.Redis, keys: Keys, rid: str, worker: str, first: int, n: int) -> str:
+    events = [TokenEvent(rid, first + i, 10 + i, f"t{first + i}").encode() for i in range(n)]
+    return str(
+        registry.call(
+            r,
+            APPEND_TOKENS,
+            [keys.record(rid), keys.tokens(rid), keys.channel(rid)],
+            [worker, first, repr(time.time()), 60, *events],
+        )[0]
+    )
+
+
+def test_start_then_append_then_resume_elsewhere(r: redis.Redis, keys: Keys) -> None:
+    entry = enqueue(r, keys, make_request("a"))
+    assert _start(r, keys, "a", entry) == ["ok", b"1", b"0"]
+    assert _append(r, keys, "a", "w1", 0, 3) == "ok"
+    assert _append(r, keys, "a", "w1", 2, 1) == "gap"  # index 2 exists already: nothing written
+    assert r.llen(keys.tokens("a")) == 3
+    # w1 died; w2 claims the entry and starts it again: it gets the published events
+    reply = _start(r, keys, "a", entry, worker="w2")
+    assert reply[:3] == ["ok", b"2", b"3"] and len(reply[3:]) == 3
+    assert _append(r, keys, "a", "w1", 3, 1) == "lost"  # the zombie cannot write any more
+    assert _append(r, keys, "a", "w2", 3, 1) == "ok"
+    rec = record(r, keys, "a")
+    assert rec is not None and rec.worker == "w2" and rec.num_tokens == 4 and rec.attempts == 2
+
+
+def test_finish_owner_guard_leaves_a_request_held_by_another(r: redis.Redis, keys: Keys) -> None:
+    entry = enqueue(r, keys, make_request("b"))
+    _start(r, keys, "b", entry, worker="w2")
+    event = TerminalEvent("b", TerminalStatus.DONE, num_tokens=0, finish_reason="length")
+    k, a = finish_keys_args(
+        keys,
+        event,
+        model="default",
+        priority=Priority.NORMAL,
+        now=time.time(),
+        ttl_s=60,
+        stream_id=entry,
+        owner="w1",
+    )
+    assert registry.call(r, FINISH, k, a)[0] == "lost"
+    assert r.xlen(STREAM) == 1 and (record(r, keys, "b") or pytest.fail()).status == "running"
+    k, a = finish_keys_args(
+        keys,
+        event,
+        model="default",
+        priority=Priority.NORMAL,
+        now=time.time(),
+        ttl_s=60,
+        stream_id=entry,
+        owner="w2",
+    )
+    assert registry.call(r, FINISH, k, a)[0] == "ok"
+    assert r.xlen(STREAM) == 0 and (record(r, keys, "b") or pytest.fail()).status == "done"
+
+
+@pytest.mark.parametrize(
+    ("setup", "code"),
+    [
+        ({"status": "cancelled"}, "terminal"),
+        ({"attempts": 3}, "poison"),
+        ({"stream_id": "1-1"}, "foreign"),
+    ],
+)
+def test_start_refuses(r: redis.Redis, keys: Keys, setup: dict, code: str) -> None:
+    entry = enqueue(r, keys, make_request("c"), **setup)
+    if "stream_id" in setup:
+        r.hset(keys.record("c"), "stream_id", "1-1")
+    assert _start(r, keys, "c", entry)[0] == code
+    assert (record(r, keys, "c") or pytest.fail()).status != "running"
+
+
+def test_start_expired_cancelled_missing(r: redis.Redis, keys: Keys) -> None:
+    entry = enqueue(r, keys, make_request("d"))
+    assert _start(r, keys, "d", entry, deadline=repr(time.time() - 1))[0] == "expired"
+    r.sadd(keys.cancel_set, "d")
+    assert _start(r, keys, "d", entry)[0] == "cancelled"
+    assert _start(r, keys, "nope", "1-1")[0] == "missing"
+
+
+def test_handback_requeues_at_the_tail_without_counting_an_attempt(
+    r: redis.Redis, keys: Keys
+) -> None:
+    req = make_request("e", deadline=time.time() + 60)
+    entry = enqueue(r, keys, req, deadline=repr(req.deadline))
+    r.xreadgroup(CONSUMER_GROUP, "w1", {STREAM: ">"})
+    _start(r, keys, "e", entry)
+    assert (
+        registry.call(
+            r,
+            HANDBACK,
+            [keys.record("e"), STREAM],
+            ["e", "w2", entry, CONSUMER_GROUP, req.encode()],
+        )[0]
+        == "lost"
+    )
+    code, new = registry.call(
+        r, HANDBACK, [keys.record("e"), STREAM], ["e", "w1", entry, CONSUMER_GROUP, req.encode()]
+    )
+    assert code == "ok"
+    rec = record(r, keys, "e")
+    assert rec is not None and rec.status == "queued" and rec.attempts == 0
+    assert r.hget(keys.record("e"), "stream_id") == new and not r.hexists(
+        keys.record("e"), "deadline"
+    )
+    entries: Any = r.xrange(STREAM)
+    assert [e[0] for e in entries] == [new]
+    assert r.xpending(STREAM, CONSUMER_GROUP)["pending"] == 0  # undelivered: any worker reads it
+
+
+def test_claim_takes_only_entries_of_dead_owners(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=[Priority.NORMAL],
+        worker_name="me",
+        poison_limit=3,
+        starvation_pulls=8,
+    )
+    intake.ensure_groups()
+    for rid in ("x1", "x2"):
+        enqueue(r, keys, make_request(rid))
+    r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
+    r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=1)
+    Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 1})
+    assert Claimer(r, intake, claim_idle_s=3600).claim(10) == []  # not idle long enough
+    claimer = Claimer(r, intake, claim_idle_s=0)
+    claimed = claimer.claim(10)
+    assert [e.raw_id for e in claimed] == ["x2"]
+    owners = {
+        p["message_id"]: p["consumer"]
+        for p in r.xpending_range(STREAM, CONSUMER_GROUP, "-", "+", 10)
+    }
+    assert sorted(owners.values()) == [b"alive", b"me"]
+    assert claimer.claim(10) == []  # mine now, and alive's stays alive's
+
+
+def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> None:
+    from tokenfleet.worker.pipelined import ScriptPipeline
+
+    entry = enqueue(r, keys, make_request("f"))
+    _start(r, keys, "f", entry)
+    r.script_flush()  # e.g. a restarted server: EVALSHA answers NOSCRIPT
+    pipe = ScriptPipeline(r)
+    event = TokenEvent("f", 0, 1, "x").encode()
+    pipe.script(
+        APPEND_TOKENS,
+        [keys.record("f"), keys.tokens("f"), keys.channel("f")],
+        ["w1", 0, repr(time.time()), 60, event],
+    )
+    pipe.command("SMISMEMBER", keys.cancel_set, "f")
+    assert pipe.execute() == [["ok"], [0]]
+    assert r.llen(keys.tokens("f")) == 1
+
+
+def test_intake_reader_never_takes_more_than_granted(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    from tokenfleet.worker.reader import IntakeReader
+
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=[Priority.NORMAL],
+        worker_name="w1",
+        poison_limit=3,
+        starvation_pulls=8,
+    )
+    intake.ensure_groups()
+    for i in range(5):
+        enqueue(r, keys, make_request(f"g{i}"))
+    reader = IntakeReader(intake, block_ms=50, busy_block_ms=50).start()
+    try:
+        reader.grant(2, idle=True)
+        got = reader.take(10.0).jobs
+        while len(got) < 2:
+            got += reader.take(10.0).jobs
+        reader.grant(2 - len(got), idle=False)  # the engine admitted them: no room left
+        assert reader.take(0.3).jobs == []
+        assert len(got) == 2 and r.xpending(STREAM, CONSUMER_GROUP)["pending"] == 2
+        reader.grant(10, idle=True)
+        while len(got) < 5:
+            got += reader.take(10.0).jobs
+        assert sorted(j.request_id for j in got) == [f"g{i}" for i in range(5)]
+    finally:
+        left = reader.stop()
+    assert left.jobs == []

@@ -1,0 +1,70 @@
+"""``tokenfleet bench``: run a benchmark script from the repository's ``benchmarks/`` folder.
+
+The scripts live in the source tree (they are not installed): this command finds the folder
+under the current directory or next to an editable install and runs the chosen script with the
+same interpreter, passing the remaining arguments through. ``tokenfleet bench`` alone runs the
+end-to-end worker benchmark (``benchmarks/bench_worker_e2e.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPTS = {
+    "e2e": "bench_worker_e2e.py",
+    "engine": "bench_engine_workload.py",
+    "producer": "bench_producer.py",
+    "decode": "bench_decode_step.py",
+}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark from the source tree (default: worker end to end)",
+        description="Run benchmarks/<script> from the source tree; extra arguments are passed "
+        "to it (e.g. tokenfleet bench e2e -- --requests 32).",
+    )
+    p.add_argument(
+        "which", nargs="?", default="e2e", choices=sorted(SCRIPTS), help="which benchmark (e2e)"
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="e2e only: use this Redis (unique key prefixes) instead of starting a "
+        "private redis-server",
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(func=func)
+
+
+def find_benchmarks() -> Path | None:
+    """The ``benchmarks/`` folder: under the working directory, else beside the package."""
+    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+        folder = base / "benchmarks"
+        if (folder / "workload.py").is_file():
+            return folder
+    return None
+
+
+def func(args: argparse.Namespace) -> int:
+    folder = find_benchmarks()
+    if folder is None:
+        print(
+            "tokenfleet bench: no benchmarks/ folder found; run it from a source checkout",
+            file=sys.stderr,
+        )
+        return 2
+    extra = [a for a in args.args if a != "--"]
+    if args.redis_url:
+        if args.which != "e2e":
+            print(
+                "tokenfleet bench: --redis-url applies to the e2e benchmark only", file=sys.stderr
+            )
+            return 2
+        extra = ["--redis-url", args.redis_url, *extra]
+    return subprocess.call([sys.executable, str(folder / SCRIPTS[args.which]), *extra])

@@ -1,0 +1,135 @@
+"""``tokenfleet status``: live workers (heartbeat, running, KV use) and queues at a glance.
+
+A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
+names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` once.
+``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="show workers and queues",
+        description="Show live workers (heartbeat age, running and "
+        "waiting requests, KV use) and every queue's length.",
+    )
+    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS until interrupted",
+    )
+    p.set_defaults(func=func)
+
+
+def snapshot(client: Any, settings: Any) -> dict[str, Any]:
+    """Workers and queues as plain data."""
+    from tokenfleet.producer import Client
+    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.record import as_str
+
+    keys = Keys(settings.key_prefix)
+    now = time.time()
+    names = [as_str(n) or "" for n in client.zrange(keys.workers, 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hgetall(keys.worker(name))
+    workers, lapsed = [], []
+    for name, raw in zip(names, pipe.execute(), strict=True):
+        if not raw:
+            lapsed.append(name)
+            continue
+        h = {as_str(k): as_str(v) for k, v in raw.items()}
+        used, total = int(h.get("kv_blocks_used") or 0), int(h.get("kv_blocks_total") or 0)
+        workers.append(
+            {
+                "name": name,
+                "model": h.get("model", ""),
+                "priorities": h.get("priorities", ""),
+                "beat_age_s": round(now - float(h.get("beat_at") or now), 2),
+                "up_s": round(now - float(h.get("started_at") or now), 1),
+                "running": int(h.get("running") or 0),
+                "waiting": int(h.get("waiting") or 0),
+                "kv_blocks_used": used,
+                "kv_blocks_total": total,
+                "kv_usage": round(used / total, 3) if total else 0.0,
+                "tokens_total": int(h.get("tokens_total") or 0),
+                "stopping": h.get("stopping") == "1",
+            }
+        )
+    producer = Client(client, settings=settings)
+    try:
+        queues = [q.to_dict() for q in producer.queue_stats()]
+    finally:
+        producer.close()
+    dead = client.xlen(keys.dead_letter)
+    return {
+        "prefix": settings.key_prefix,
+        "workers": workers,
+        "lapsed_workers": lapsed,
+        "queues": queues,
+        "dead_letters": dead,
+    }
+
+
+def render(snap: dict[str, Any]) -> str:
+    """The snapshot as two plain-text tables."""
+    lines = [f"workers (prefix {snap['prefix']}): {len(snap['workers'])} live"]
+    if snap["workers"]:
+        lines.append(
+            f"  {'name':<28} {'model':<12} {'beat':>6} {'run':>4} {'wait':>4} "
+            f"{'KV used':>13} {'tokens':>9}  priorities"
+        )
+        for w in snap["workers"]:
+            kv = f"{w['kv_blocks_used']}/{w['kv_blocks_total']} {w['kv_usage'] * 100:3.0f}%"
+            flag = " (stopping)" if w["stopping"] else ""
+            lines.append(
+                f"  {w['name'][:28]:<28} {w['model'][:12]:<12} {w['beat_age_s']:>5.1f}s "
+                f"{w['running']:>4} {w['waiting']:>4} {kv:>13} {w['tokens_total']:>9}  "
+                f"{w['priorities']}{flag}"
+            )
+    if snap["lapsed_workers"]:
+        lines.append(f"  lapsed (no heartbeat): {', '.join(snap['lapsed_workers'])}")
+    lines.append(f"queues: {len(snap['queues'])}   dead letters: {snap['dead_letters']}")
+    if snap["queues"]:
+        lines.append(
+            f"  {'model':<16} {'priority':<9} {'waiting':>8} {'running':>8} {'bound':>8}  policy"
+        )
+        for q in snap["queues"]:
+            lines.append(
+                f"  {q['model'][:16]:<16} {q['priority']:<9} {q['waiting']:>8} "
+                f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
+            )
+    return "\n".join(lines)
+
+
+def func(args: argparse.Namespace) -> int:
+    import orjson
+    import redis
+
+    from tokenfleet.shared.settings import Settings
+
+    settings = Settings.from_env().with_url(args.redis_url)
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        while True:
+            snap = snapshot(client, settings)
+            if args.json:
+                print(orjson.dumps(snap).decode(), flush=True)
+            else:
+                print(render(snap), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+            print()
+    finally:
+        client.close()

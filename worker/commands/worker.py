@@ -1,0 +1,126 @@
+"""``tokenfleet worker``: run one inference worker against the fleet's Redis until SIGTERM/SIGINT.
+
+Every flag has a ``TOKENFLEET_*`` environment variable (for compose); a flag wins over the
+environment. Exit status: 0 after a graceful stop, 3 when the engine failed several steps in a
+row (see ``tokenfleet.worker.service``), 1 on bad settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "worker",
+        help="run an inference worker",
+        description="Run an inference worker: pull requests from the model's priority queues, "
+        "run them through the continuous-batching engine and stream tokens back over Redis. "
+        "Each flag defaults to its TOKENFLEET_* environment variable.",
+    )
+    p.add_argument("--model", help="model folder or hub id (TOKENFLEET_MODEL)")
+    p.add_argument(
+        "--model-name",
+        help="served model name, the queues' MODEL (TOKENFLEET_MODEL_NAME, default 'default')",
+    )
+    p.add_argument("--redis-url", help="Redis URL (REDIS_URL)")
+    p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (TOKENFLEET_DEVICE)")
+    p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (TOKENFLEET_DTYPE)")
+    p.add_argument("--max-num-seqs", type=int, help="sequences per step (TOKENFLEET_MAX_NUM_SEQS)")
+    p.add_argument(
+        "--max-batched-tokens", type=int, help="tokens per step (TOKENFLEET_MAX_BATCHED_TOKENS)"
+    )
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=int, help="KV cache blocks (TOKENFLEET_KV_BLOCKS)")
+    kv.add_argument("--kv-memory", help="KV cache memory, e.g. 512M or 4GiB (TOKENFLEET_KV_MEMORY)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (TOKENFLEET_BLOCK_SIZE)")
+    p.add_argument(
+        "--priorities",
+        help="levels served, e.g. critical,normal (TOKENFLEET_PRIORITIES, default all)",
+    )
+    p.add_argument("--name", help="unique worker name (TOKENFLEET_NAME, default HOST-PID)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve Prometheus metrics on this port (TOKENFLEET_METRICS_PORT)",
+    )
+    p.add_argument("--threads", type=int, help="torch CPU threads (TOKENFLEET_THREADS)")
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        help="on SIGTERM, seconds to finish running requests (TOKENFLEET_GRACE_S, 30)",
+    )
+    p.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        help="heartbeat lifetime; a worker is dead once it lapses (10)",
+    )
+    p.add_argument(
+        "--claim-idle-s",
+        type=float,
+        help="idle time before a dead worker's entry may be claimed (5)",
+    )
+    p.add_argument("--claim-interval-s", type=float, help="how often to look for them (2)")
+    p.add_argument(
+        "--poison-limit",
+        type=int,
+        help="workers a request may outlive before it ends worker_lost (3)",
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    p.set_defaults(func=func)
+
+
+def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(``Settings``, ``WorkerSettings``) from parsed flags and the environment."""
+    from tokenfleet.shared.settings import Settings
+    from tokenfleet.worker.worker_settings import WorkerSettings
+
+    settings = Settings.from_env().with_url(args.redis_url)
+    ws = WorkerSettings.from_env(
+        model=args.model,
+        model_name=args.model_name,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens,
+        kv_blocks=args.kv_blocks,
+        kv_memory=args.kv_memory,
+        block_size=args.block_size,
+        priorities=args.priorities,
+        name=args.name,
+        metrics_port=args.metrics_port,
+        threads=args.threads,
+        grace_s=args.grace_s,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        claim_idle_s=args.claim_idle_s,
+        claim_interval_s=args.claim_interval_s,
+        poison_limit=args.poison_limit,
+    )
+    return settings, ws
+
+
+def func(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    settings, ws = build_settings(args)
+    if ws.threads:
+        import torch
+
+        torch.set_num_threads(ws.threads)
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.metrics import WorkerMetrics
+    from tokenfleet.worker.service import WorkerService
+
+    engine = Engine(ws.model, **ws.engine_overrides())
+    metrics = WorkerMetrics(ws.model_name)
+    if ws.metrics_port is not None:
+        metrics.serve(ws.metrics_port)
+    service = WorkerService(engine, settings, ws, metrics=metrics)
+    service.install_signal_handlers()
+    return service.run()

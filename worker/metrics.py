@@ -1,0 +1,199 @@
+"""Prometheus metrics of one worker, named after vLLM's where vLLM has one (``vllm:`` →
+``tokenfleet:``), labelled by served model name and, per request, by priority.
+
+Each worker owns its own ``CollectorRegistry`` (no module-level globals), exposed by
+``start_http_server`` when a metrics port is configured.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from tokenfleet.shared.priority import Priority
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0)
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class WorkerMetrics:
+    """The worker's metrics. ``observe_*`` methods are called from the service loop only.
+
+    Invariant: ``_window`` holds (time, tokens) of the last ``THROUGHPUT_WINDOW_S`` seconds, so
+    the throughput gauge is tokens in the window divided by its span.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        m, mp = ["model_name"], ["model_name", "priority"]
+        r = self.registry
+        self.running = Gauge(
+            "tokenfleet:num_requests_running", "Requests running in the engine.", m, registry=r
+        )
+        self.waiting = Gauge(
+            "tokenfleet:num_requests_waiting",
+            "Requests admitted to the engine but not yet scheduled.",
+            m,
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "tokenfleet:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (0..1).",
+            m,
+            registry=r,
+        )
+        self.throughput = Gauge(
+            "tokenfleet:avg_generation_throughput_toks_per_s",
+            f"Generated tokens per second over the last {THROUGHPUT_WINDOW_S:g} s.",
+            m,
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "tokenfleet:num_preemptions", "Running requests preempted (recompute).", m, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "tokenfleet:prompt_tokens", "Prompt tokens of finished requests.", mp, registry=r
+        )
+        self.generation_tokens = Counter(
+            "tokenfleet:generation_tokens", "Generated tokens published.", mp, registry=r
+        )
+        self.prefix_hits = Counter(
+            "tokenfleet:prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            m,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "tokenfleet:request_queue_time_seconds",
+            "Enqueue to first scheduled (Redis wait included).",
+            mp,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "tokenfleet:time_to_first_token_seconds",
+            "Enqueue to first token.",
+            mp,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tokenfleet:time_per_output_token_seconds",
+            "Mean time per output token after the first.",
+            mp,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tokenfleet:e2e_request_latency_seconds",
+            "Enqueue to finish.",
+            mp,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "tokenfleet:request_success",
+            "Requests finished, by terminal status and finish reason.",
+            [*mp, "status", "finished_reason"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "tokenfleet:requests_expired",
+            "Requests whose deadline passed before they could start.",
+            mp,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "tokenfleet:requests_dropped",
+            "Entries this worker could not run: dead-lettered (undecodable "
+            "or invalid) or poisoned (worker_lost).",
+            [*mp, "reason"],
+            registry=r,
+        )
+        self.claimed = Counter(
+            "tokenfleet:requests_claimed",
+            "Requests claimed from workers whose heartbeat lapsed.",
+            mp,
+            registry=r,
+        )
+        self._window: deque[tuple[float, int]] = deque()
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+        """Start the HTTP endpoint (a daemon thread); returns the server object."""
+        return start_http_server(port, addr=addr, registry=self.registry)
+
+    def observe_step(
+        self, now: float, num_tokens: int, stats: Any, capacity: Any, num_kv_blocks_total: int
+    ) -> None:
+        """After each step: gauges, preemptions, prefix hits, the throughput window."""
+        name = self.model_name
+        if stats is not None:
+            self.preemptions.labels(name).inc(getattr(stats, "num_preemptions", 0))
+            self.prefix_hits.labels(name).inc(getattr(stats, "num_prefix_cache_hit_tokens", 0))
+            if num_kv_blocks_total > 0:
+                used = getattr(stats, "num_kv_blocks_used", 0)
+                self.kv_usage.labels(name).set(used / num_kv_blocks_total)
+        if capacity is not None:
+            self.running.labels(name).set(capacity.num_running)
+            self.waiting.labels(name).set(capacity.num_waiting)
+        self._window.append((now, num_tokens))
+        while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+        span = now - self._window[0][0] if len(self._window) > 1 else 0.0
+        total = sum(n for _, n in self._window)
+        self.throughput.labels(name).set(total / span if span > 0 else 0.0)
+
+    def observe_tokens(self, priority: Priority, n: int) -> None:
+        self.generation_tokens.labels(self.model_name, priority.label).inc(n)
+
+    def observe_finish(
+        self,
+        priority: Priority,
+        status: str,
+        finish_reason: str | None,
+        num_prompt_tokens: int,
+        timings: dict[str, float],
+    ) -> None:
+        """A request this worker ran reached a terminal state."""
+        labels = (self.model_name, priority.label)
+        self.finished.labels(*labels, status, finish_reason or "").inc()
+        self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
+        for key, hist in (
+            ("queue_s", self.queue_time),
+            ("ttft_s", self.ttft),
+            ("tpot_s", self.tpot),
+            ("e2e_s", self.e2e),
+        ):
+            value = timings.get(key)
+            if value is not None and value >= 0:
+                hist.labels(*labels).observe(value)
+
+    def observe_outcome(self, priority: Priority, kind: str) -> None:
+        """An entry that never ran: ``expired``, ``dead_letter``, ``worker_lost``, ``claimed``."""
+        labels = (self.model_name, priority.label)
+        if kind == "expired":
+            self.expired.labels(*labels).inc()
+        elif kind == "claimed":
+            self.claimed.labels(*labels).inc()
+        else:
+            self.dropped.labels(*labels, kind).inc()

@@ -1,0 +1,134 @@
+"""Publishing one engine step: every new token, every finish and the cancel check in one round trip.
+
+For each request with new tokens, ``APPEND_TOKENS`` pushes the encoded token events onto its
+token list and publishes them on its channel (list first, so a late subscriber misses nothing),
+then updates ``num_tokens``. For each finished request, ``FINISH`` writes the final record,
+publishes the terminal event and acks+deletes its entry, atomically. Both carry this worker's
+name: a request another worker has taken over is reported ``lost`` and nothing is written for it.
+The same pipeline asks ``SMISMEMBER`` which running requests have a cancellation pending.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
+from tokenfleet.shared.scripts.worker import APPEND_TOKENS
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.intake import Job
+from tokenfleet.worker.pipelined import ScriptPipeline
+
+
+@dataclass(slots=True)
+class Finish:
+    """A request to finish: its job and its terminal event (``num_tokens`` already set)."""
+
+    job: Job
+    event: TerminalEvent
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the round trip reported back."""
+
+    lost: set[str] = field(default_factory=set)  # ids another worker holds now: drop locally
+    cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
+    finished: list[Finish] = field(default_factory=list)  # finishes that took effect
+
+
+class Publisher:
+    """Builds and runs the per-step pipeline for one worker. Holds no request state."""
+
+    def __init__(
+        self, client: redis.Redis, settings: Settings, *, model_name: str, worker_name: str
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.keys = Keys(settings.key_prefix)
+        self.model_name = model_name
+        self.worker_name = worker_name
+
+    def publish(
+        self,
+        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        finishes: Sequence[Finish],
+        check_cancel: Sequence[str] = (),
+    ) -> StepResult:
+        """One pipelined round trip: tokens, then finishes, then the cancel check.
+
+        ``tokens`` pairs a job with its new events, whose indices are consecutive (the script
+        refuses them unless the list ends where they start); on success ``num_published`` and
+        ``text_parts`` advance. Not thread-safe per job: the service runs every publish of a
+        job on one thread, in step order.
+        """
+        if not tokens and not finishes and not check_cancel:
+            return StepResult()
+        now = time.time()
+        ttl = self.settings.record_ttl_s
+        pipe = ScriptPipeline(self.client)
+        for job, events in tokens:
+            rid = job.request_id
+            pipe.script(
+                APPEND_TOKENS,
+                [self.keys.record(rid), self.keys.tokens(rid), self.keys.channel(rid)],
+                [
+                    self.worker_name,
+                    events[0].index,
+                    repr(now),
+                    ttl,
+                    *(e.encode() for e in events),
+                ],
+            )
+        for fin in finishes:
+            k, a = finish_keys_args(
+                self.keys,
+                fin.event,
+                model=self.model_name,
+                priority=fin.job.entry.priority,
+                now=now,
+                ttl_s=ttl,
+                stream_id=fin.job.entry.entry_id,
+                extra_fields={"text": fin.job.text + _pending_text(tokens, fin.job)},
+                owner=self.worker_name,
+            )
+            pipe.script(FINISH, k, a)
+        if check_cancel:
+            pipe.command("SMISMEMBER", self.keys.cancel_set, *check_cancel)
+        replies = pipe.execute()
+        result = StepResult()
+        i = 0
+        for job, events in tokens:
+            code = replies[i][0]
+            i += 1
+            if code == "ok":
+                job.num_published = events[-1].index + 1
+                job.text_parts.extend(e.text for e in events)
+            else:
+                result.lost.add(job.request_id)
+        for fin in finishes:
+            code = replies[i][0]
+            i += 1
+            if code != "lost" and fin.job.request_id not in result.lost:
+                result.finished.append(fin)
+            else:
+                result.lost.add(fin.job.request_id)
+        if check_cancel:
+            flags = replies[i]
+            result.cancel_requested = [
+                rid for rid, flag in zip(check_cancel, flags, strict=True) if flag
+            ]
+        return result
+
+
+def _pending_text(tokens: Sequence[tuple[Job, Sequence[TokenEvent]]], job: Job) -> str:
+    """Text of ``job``'s events in this same round trip (not yet in ``job.text_parts``)."""
+    for j, events in tokens:
+        if j is job:
+            return "".join(e.text for e in events)
+    return ""

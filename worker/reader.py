@@ -1,0 +1,122 @@
+"""The intake thread: reads and starts entries in the background, within an allowance.
+
+The service loop computes, after every engine step, how many new requests its engine could
+admit and grants that as the reader's *allowance*. The reader pulls at most that many entries
+(``Intake.pull``, most urgent first); when none is waiting it blocks in Redis
+(``Intake.wait``, ``XREADGROUP ... BLOCK``), so an arriving request is read the moment it is
+added, with no round trip on the loop's side and no polling. Read entries are started in Redis
+(``Intake.start``) and handed to the loop as :class:`Job` objects, which it adds to the engine
+before its next step.
+
+Invariant (under ``_lock``): ``_allowance + _reading + len(_ready)`` never exceeds the last
+budget the loop granted, except that one blocking wait reads up to one entry per stream even
+when the allowance is smaller (every entry read is started and handed over: none is left
+unstarted in this worker's pending list); the loop grants ``budget - _reading - len(_ready)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from tokenfleet.worker.intake import Intake, Job, StartReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What the reader hands over: started jobs and the outcomes of entries that did not run."""
+
+    jobs: list[Job] = field(default_factory=list)
+    reports: list[StartReport] = field(default_factory=list)
+
+
+class IntakeReader:
+    """Runs ``Intake`` reads on a thread of its own (see the module docstring)."""
+
+    def __init__(self, intake: Intake, *, block_ms: int, busy_block_ms: int = 100) -> None:
+        self.intake = intake
+        self.block_ms = block_ms
+        self.busy_block_ms = busy_block_ms
+        self._lock = threading.Condition()
+        self._allowance = 0  # entries the reader may still read
+        self._reading = 0  # entries reserved by the read in progress
+        self._ready = Delivery()
+        self._idle = True  # the engine runs nothing: block longer
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
+
+    def start(self) -> IntakeReader:
+        self._thread.start()
+        return self
+
+    def grant(self, budget: int, *, idle: bool) -> None:
+        """Allow reads up to ``budget`` admissions, minus what is being read or waiting."""
+        with self._lock:
+            self._allowance = max(0, budget - self._reading - len(self._ready.jobs))
+            self._idle = idle
+            if self._allowance:
+                self._lock.notify_all()
+
+    def pending(self) -> int:
+        """Jobs started and not yet taken (they will need engine room). A read in progress is
+        not counted: it is usually a blocking wait for entries that may never come, and claims
+        of dead workers' requests must not starve behind it."""
+        with self._lock:
+            return len(self._ready.jobs)
+
+    def take(self, timeout_s: float = 0.0) -> Delivery:
+        """What the reader has started since the last call; waits up to ``timeout_s`` for some."""
+        with self._lock:
+            if not self._ready.jobs and not self._ready.reports and timeout_s > 0:
+                self._lock.wait(timeout_s)
+            out, self._ready = self._ready, Delivery()
+            if self.error is not None:
+                raise self.error
+            return out
+
+    def stop(self) -> Delivery:
+        """Stop reading, wait for the read in progress, and return what is left to take."""
+        with self._lock:
+            self._stop = True
+            self._allowance = 0
+            self._lock.notify_all()
+        self._thread.join()
+        with self._lock:
+            out, self._ready = self._ready, Delivery()
+            return out
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and self._allowance <= 0:
+                        self._lock.wait()
+                    if self._stop:
+                        return
+                    n, self._reading, self._allowance = self._allowance, self._allowance, 0
+                    block_ms = self.block_ms if self._idle else self.busy_block_ms
+                entries = self.intake.pull(n)
+                if not entries:
+                    # woken by the first arrival: start it at once; the rest of the allowance
+                    # is pulled on the next turn (it is refunded below). A wait reads at most
+                    # one entry per stream, so it can exceed a small allowance by a stream or two;
+                    # those must be started too (they are in this worker's pending list now).
+                    entries = self.intake.wait(block_ms)
+                jobs, report = self.intake.start(entries) if entries else ([], StartReport())
+                with self._lock:
+                    self._reading = 0
+                    # what was read but did not become a job frees its share of the allowance
+                    self._allowance += max(0, n - len(entries)) if not self._stop else 0
+                    if entries:
+                        self._ready.jobs.extend(jobs)
+                        self._ready.reports.append(report)
+                        self._lock.notify_all()
+        except BaseException as exc:  # surfaced to the loop by take()
+            log.exception("intake thread failed")
+            with self._lock:
+                self.error = exc
+                self._lock.notify_all()

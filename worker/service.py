@@ -1,0 +1,566 @@
+"""The worker's loop: timers → intake → engine step → publish → cancellations, until told to stop.
+
+One iteration::
+
+    heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
+    claim_interval_s); grant the intake thread what the engine can admit now and add what it
+    has started (waiting for it only when the engine is idle); engine.step(); hand the step's
+    publish (tokens, finishes, cancel check: one pipelined round trip) to the publisher thread,
+    after applying the previous one's results; abort what was cancelled.
+
+Three threads, one owner each: the loop owns the engine and ``jobs``; the intake thread
+(``reader.IntakeReader``) owns reading (``XREADGROUP``, blocking when nothing waits) and
+starting entries; the publisher thread runs publishes in step order, one in flight, so Redis
+round trips overlap engine compute.
+
+Step-exception policy: an exception raised by ``engine.step()`` gives every request in the
+engine a terminal ``error`` event (code ``engine_error``), aborts them, and the worker keeps
+serving. After ``MAX_CONSECUTIVE_STEP_FAILURES`` failed steps with no token produced in between
+the engine is deemed broken: the worker removes its heartbeat and exits with
+``EXIT_ENGINE_BROKEN`` so that its supervisor restarts it (its requests have already ended,
+so nothing is left to recover).
+
+Shutdown (SIGTERM/SIGINT): stop reading and claiming; keep stepping and publishing for up to
+``grace_s`` (a second signal ends the grace at once); hand back what is still running
+(re-queued at the tail of its stream, resumed by any worker from its token list); remove the
+heartbeat; return 0.
+
+Invariant: ``jobs`` holds exactly the requests this worker owns in Redis (record ``running``
+with its name) and has added to its engine; a request leaves ``jobs`` only once it is finished,
+handed back, or found to be owned by another worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import signal
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import redis
+
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.keys import CONSUMER_GROUP
+from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalStatus, TokenEvent
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.worker import HANDBACK
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
+from tokenfleet.worker.metrics import WorkerMetrics
+from tokenfleet.worker.publisher import Finish, Publisher, StepResult
+from tokenfleet.worker.reader import Delivery, IntakeReader
+from tokenfleet.worker.recovery import Claimer, Heartbeat
+from tokenfleet.worker.worker_settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_STEP_FAILURES = 3
+EXIT_ENGINE_BROKEN = 3
+
+
+class EngineLike(Protocol):
+    """What the service needs from ``tokenfleet.worker.engine.engine.Engine``."""
+
+    tokenizer: Any
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        *,
+        priority: Any,
+        arrival_time: float | None,
+        resume_output_ids: Sequence[int] = (),
+    ) -> Any: ...
+    def abort(self, request_id: str) -> bool: ...
+    def step(self) -> list[Any]: ...
+    def has_unfinished(self) -> bool: ...
+    def capacity(self) -> Any: ...
+
+
+class WorkerService:
+    """Runs one engine against the fleet's Redis until stopped (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: EngineLike,
+        settings: Settings,
+        wsettings: WorkerSettings,
+        *,
+        client: redis.Redis | None = None,
+        metrics: WorkerMetrics | None = None,
+        make_params: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.ws = wsettings
+        self.client = client or redis.Redis.from_url(settings.redis_url)
+        self.metrics = metrics or WorkerMetrics(wsettings.model_name)
+        self.make_params = make_params or engine_sampling_params
+        name = wsettings.name
+        self.intake = Intake(
+            self.client,
+            settings,
+            model_name=wsettings.model_name,
+            priorities=wsettings.priorities,
+            worker_name=name,
+            poison_limit=wsettings.poison_limit,
+            starvation_pulls=wsettings.starvation_pulls,
+        )
+        self.publisher = Publisher(
+            self.client, settings, model_name=wsettings.model_name, worker_name=name
+        )
+        self.heartbeat = Heartbeat(
+            self.client, settings, worker_name=name, ttl_s=wsettings.heartbeat_ttl_s
+        )
+        self.claimer = Claimer(self.client, self.intake, claim_idle_s=wsettings.claim_idle_s)
+        self.reader = IntakeReader(self.intake, block_ms=wsettings.block_ms)
+        self.jobs: dict[str, Job] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
+        self._inflight: deque[Future[StepResult]] = deque()
+        self._cancels: set[str] = set()
+        self.stop_requested = False
+        self._hurry = False
+        self.exit_code = 0
+        self._failures = 0
+        self._avg_prompt_tokens = float(wsettings.block_size)
+        self._kv_total = 0
+        self._tokens_total = 0
+
+    # -- control ------------------------------------------------------------------------------
+    def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
+        """Begin a graceful shutdown (signal handler); a second call ends the grace period."""
+        if self.stop_requested:
+            log.info("worker %s: second signal: handing back at once", self.ws.name)
+            self._hurry = True
+            return
+        log.info(
+            "worker %s: stopping (signal %s): no new work, grace %.1fs",
+            self.ws.name,
+            signum,
+            self.ws.grace_s,
+        )
+        self.stop_requested = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        self.intake.ensure_groups()
+        self._beat()
+        self.reader.start()
+        log.info(
+            "worker %s ready: model %s, priorities %s",
+            self.ws.name,
+            self.ws.model_name,
+            ",".join(p.label for p in self.ws.priorities),
+        )
+        now = time.monotonic()
+        next_beat = now + self.ws.heartbeat_interval_s
+        next_claim = now + random.uniform(0, self.ws.claim_interval_s)
+        grace_deadline: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if self._inflight and not self.engine.has_unfinished():
+                    self.flush()  # idle: apply the last results before blocking on Redis
+                if self.stop_requested and grace_deadline is None:
+                    grace_deadline = now + self.ws.grace_s
+                    self._deliver(self.reader.stop())  # started jobs run in the grace period
+                if now >= next_beat:
+                    self._beat()
+                    next_beat = now + self.ws.heartbeat_interval_s
+                if grace_deadline is None:
+                    if now >= next_claim:
+                        budget = self._budget() - self.reader.pending()
+                        self._admit(self.claimer.claim(budget), claimed=True)
+                        next_claim = now + self.ws.claim_interval_s
+                    idle = not self.engine.has_unfinished()
+                    self.reader.grant(self._budget(), idle=idle)
+                    wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
+                    self._deliver(self.reader.take(wait_s))
+                if self.engine.has_unfinished():
+                    self._step()
+                    if self.exit_code:
+                        break
+                elif grace_deadline is not None:
+                    self.flush()
+                    break
+                if grace_deadline is not None and (
+                    self._hurry or time.monotonic() >= grace_deadline
+                ):
+                    self.hand_back_all()
+                    break
+        finally:
+            leftover = self.reader.stop()  # started but never added: claimable once we are gone
+            if leftover.jobs:
+                log.warning(
+                    "worker %s: %d started requests left for recovery",
+                    self.ws.name,
+                    len(leftover.jobs),
+                )
+            try:
+                self.flush()
+            except Exception:  # already failing: the heartbeat must still go
+                log.exception("worker %s: publishing failed", self.ws.name)
+            self._executor.shutdown(wait=True)
+            try:
+                self.heartbeat.remove()
+            except redis.RedisError:
+                log.exception("worker %s: could not remove its heartbeat", self.ws.name)
+        log.info("worker %s stopped (exit %d)", self.ws.name, self.exit_code)
+        return self.exit_code
+
+    # -- intake -------------------------------------------------------------------------------
+    def _budget(self) -> int:
+        """How many new requests the engine can admit now (slots and an estimate of KV)."""
+        cap = self.engine.capacity()
+        if cap.num_waiting > 0:
+            return 0
+        block_size = max(1, getattr(cap, "block_size", self.ws.block_size))
+        per_request = max(1, math.ceil((self._avg_prompt_tokens + 1) / block_size))
+        by_kv = cap.free_kv_blocks // per_request
+        if by_kv == 0 and cap.num_running == 0:
+            by_kv = 1  # an idle engine always takes one: it refuses what can never fit
+        return max(0, min(cap.free_seq_slots, by_kv))
+
+    def _deliver(self, delivery: Delivery) -> None:
+        """Add what the intake thread started to the engine (before the next step)."""
+        for report in delivery.reports:
+            self._count(report)
+        for job in delivery.jobs:
+            self._add(job)
+
+    def _admit(self, entries: list[Entry], claimed: bool = False) -> None:
+        if not entries:
+            return
+        jobs, report = self.intake.start(entries)
+        self._count(report)
+        for job in jobs:
+            if claimed:
+                self.metrics.observe_outcome(job.entry.priority, "claimed")
+                log.info(
+                    "worker %s: resumed %s at index %d (attempt %d)",
+                    self.ws.name,
+                    job.request_id,
+                    job.num_published,
+                    job.attempts,
+                )
+            self._add(job)
+
+    def _count(self, report: StartReport) -> None:
+        for kind, prios in (
+            ("expired", report.expired),
+            ("dead_letter", report.dead_lettered),
+            ("worker_lost", report.poisoned),
+        ):
+            for p in prios:
+                self.metrics.observe_outcome(p, kind)
+
+    def _add(self, job: Job) -> None:
+        req = job.request
+        rid = req.request_id
+        if rid in self.jobs:  # delivered twice to this worker (cannot happen by protocol)
+            return
+        try:
+            prompt = self._prompt(req)
+            params = self.make_params(req)
+            self.engine.add_request(
+                rid,
+                prompt,
+                params,
+                priority=req.priority,
+                arrival_time=req.enqueued_at or time.time(),
+                resume_output_ids=job.resume_token_ids,
+            )
+        except (ValueError, TypeError) as exc:
+            code = getattr(exc, "code", "invalid_request")
+            self._finish_now(
+                job,
+                TerminalStatus.ERROR,
+                code if isinstance(code, str) else "invalid_request",
+                f"the engine refused the request: {exc}",
+            )
+            return
+        n = len(prompt)
+        self._avg_prompt_tokens += 0.1 * (n - self._avg_prompt_tokens)
+        self.jobs[rid] = job
+
+    def _prompt(self, req: GenerationRequest) -> str | list[int]:
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            tok = self.engine.tokenizer
+            if not getattr(tok, "chat_template", None):
+                raise InvalidRequest("this model's tokenizer has no chat template; send a prompt")
+            text = tok.apply_chat_template(
+                list(req.messages), tokenize=False, add_generation_prompt=True
+            )
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        return req.prompt or ""
+
+    # -- stepping and publishing --------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_failed(exc)
+            return
+        if any(out.new_token_ids for out in outputs):
+            self._failures = 0  # the engine demonstrably works again
+        tokens: list[tuple[Job, list[TokenEvent]]] = []
+        finishes: list[Finish] = []
+        num_new = 0
+        for out in outputs:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            events = [
+                TokenEvent(job.request_id, out.first_index + i, tid, text)
+                for i, (tid, text) in enumerate(zip(out.new_token_ids, out.new_texts, strict=True))
+            ]
+            if events:
+                tokens.append((job, events))
+                num_new += len(events)
+                self.metrics.observe_tokens(job.entry.priority, len(events))
+            if out.finished:
+                finishes.append(Finish(job, self._terminal(job, out, len(events))))
+        finishing = {f.job.request_id for f in finishes}
+        check = [rid for rid in self.jobs if rid not in finishing]
+        self._publish_async(tokens, finishes, check)
+        self._tokens_total += num_new
+        self._cancel_requested()
+        stats = getattr(self.engine, "last_step_stats", None)
+        if stats is not None:
+            total = getattr(stats, "num_kv_blocks_used", 0) + getattr(
+                stats, "num_kv_blocks_free", 0
+            )
+            self._kv_total = total or self._kv_total
+        self.metrics.observe_step(
+            time.time(), num_new, stats, self.engine.capacity(), self._kv_total
+        )
+
+    # -- publishing off the loop's thread ---------------------------------------------------
+    def _publish_async(
+        self,
+        tokens: list[tuple[Job, list[TokenEvent]]],
+        finishes: list[Finish],
+        check: list[str],
+    ) -> None:
+        """Apply the previous step's round trip, then hand this step's to the publisher thread.
+
+        One round trip is in flight while the engine computes the next step (the tokens reach
+        clients as soon as it lands); its results (finishes, lost requests, cancellations) are
+        applied one step late.
+        """
+        self.flush()
+        self._inflight.append(
+            self._executor.submit(self.publisher.publish, tokens, finishes, check)
+        )
+
+    def flush(self) -> None:
+        """Wait for every publish in flight and apply its result."""
+        while self._inflight:
+            self._apply(self._inflight.popleft().result())
+
+    def _apply(self, result: StepResult) -> None:
+        for fin in result.finished:
+            self.jobs.pop(fin.job.request_id, None)
+            ev = fin.event
+            self.metrics.observe_finish(
+                fin.job.entry.priority,
+                ev.status.value,
+                ev.finish_reason,
+                ev.usage.get("prompt_tokens", 0),
+                ev.timings,
+            )
+        for rid in result.lost:
+            if self.jobs.pop(rid, None) is not None:
+                log.warning(
+                    "worker %s: %s is now held by another worker; dropped here", self.ws.name, rid
+                )
+                self.engine.abort(rid)
+        self._cancels.update(result.cancel_requested)
+
+    def _cancel_requested(self) -> None:
+        """Abort and finish ``cancelled`` every running request whose cancellation was asked."""
+        if not self._cancels:
+            return
+        self.flush()  # the request's last tokens must be in its list before its terminal event
+        cancels, self._cancels = self._cancels, set()
+        for rid in cancels:
+            job = self.jobs.get(rid)
+            if job is not None:
+                self.engine.abort(rid)
+                self._finish_now(
+                    job, TerminalStatus.CANCELLED, None, "cancelled by the client while running"
+                )
+
+    def _terminal(self, job: Job, out: Any, num_new: int) -> TerminalEvent:
+        reason = getattr(out.finish_reason, "value", out.finish_reason)
+        usage = {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens}
+        num_tokens = out.first_index + num_new  # == every token published, resumed ones included
+        if reason in ("stop", "length"):
+            return TerminalEvent(
+                job.request_id,
+                TerminalStatus.DONE,
+                num_tokens=num_tokens,
+                finish_reason=reason,
+                usage=usage,
+                timings=timings_dict(out.timings),
+            )
+        code = out.error_code or ("aborted" if reason == "abort" else "engine_error")
+        message = out.error_message or f"the engine ended the request ({reason})"
+        return TerminalEvent(
+            job.request_id,
+            TerminalStatus.ERROR,
+            num_tokens=num_tokens,
+            code=code,
+            message=message,
+            usage=usage,
+            timings=timings_dict(out.timings),
+        )
+
+    def _finish_now(self, job: Job, status: TerminalStatus, code: str | None, message: str) -> None:
+        """Finish ``job`` synchronously (callers flush first if it may have tokens in flight)."""
+        event = TerminalEvent(
+            job.request_id, status, num_tokens=job.num_published, code=code, message=message
+        )
+        result = self.publisher.publish([], [Finish(job, event)])
+        self.jobs.pop(job.request_id, None)
+        if result.finished:
+            self.metrics.observe_finish(job.entry.priority, status.value, None, 0, {})
+
+    def _step_failed(self, exc: BaseException) -> None:
+        affected = set(self.jobs)  # not those the flush below may start
+        self.flush()
+        self._failures += 1
+        log.exception(
+            "worker %s: engine step failed (%d in a row); ending its %d requests "
+            "with error/engine_error",
+            self.ws.name,
+            self._failures,
+            len(self.jobs),
+        )
+        finishes = []
+        for job in [j for rid, j in self.jobs.items() if rid in affected]:
+            try:
+                self.engine.abort(job.request_id)
+            except Exception:
+                log.exception("worker %s: abort of %s failed", self.ws.name, job.request_id)
+            message = (
+                f"the engine failed while running this request "
+                f"({type(exc).__name__}: {exc}); it was aborted"
+            )
+            finishes.append(
+                Finish(
+                    job,
+                    TerminalEvent(
+                        job.request_id,
+                        TerminalStatus.ERROR,
+                        num_tokens=job.num_published,
+                        code="engine_error",
+                        message=message[:2000],
+                    ),
+                )
+            )
+        self.publisher.publish([], finishes)
+        for fin in finishes:
+            self.jobs.pop(fin.job.request_id, None)
+        if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            log.error(
+                "worker %s: %d engine steps failed in a row; exiting with status %d for "
+                "the supervisor to restart it",
+                self.ws.name,
+                self._failures,
+                EXIT_ENGINE_BROKEN,
+            )
+            self.exit_code = EXIT_ENGINE_BROKEN
+
+    # -- shutdown and heartbeat ---------------------------------------------------------------
+    def hand_back_all(self) -> None:
+        """Abort every running request and re-queue it for another worker (one round trip)."""
+        self.flush()
+        if not self.jobs:
+            return
+        jobs = list(self.jobs.values())
+        pipe = self.client.pipeline(transaction=False)
+        for job in jobs:
+            self.engine.abort(job.request_id)
+            e = job.entry
+            registry.queue(
+                self.client,
+                pipe,
+                HANDBACK,
+                [self.intake.keys.record(job.request_id), e.stream],
+                [
+                    job.request_id,
+                    self.ws.name,
+                    e.entry_id,
+                    CONSUMER_GROUP,
+                    e.fields.get("d") or b"",
+                ],
+            )
+        for job, reply in zip(jobs, pipe.execute(), strict=True):
+            code = registry.check_reply(HANDBACK, reply)[0]
+            log.info(
+                "worker %s: handed back %s at index %d (%s)",
+                self.ws.name,
+                job.request_id,
+                job.num_published,
+                code,
+            )
+        self.jobs.clear()
+
+    def _beat(self) -> None:
+        cap = self.engine.capacity()
+        used = getattr(getattr(self.engine, "last_step_stats", None), "num_kv_blocks_used", 0)
+        self.heartbeat.beat(
+            {
+                "model": self.ws.model_name,
+                "priorities": ",".join(p.label for p in self.ws.priorities),
+                "running": len(self.jobs),
+                "waiting": cap.num_waiting,
+                "kv_blocks_used": used,
+                "kv_blocks_total": self._kv_total,
+                "tokens_total": self._tokens_total,
+                "stopping": int(self.stop_requested),
+            }
+        )
+
+
+def timings_dict(timings: Any) -> dict[str, float]:
+    """The engine's ``RequestTimings`` as the terminal event's ``timings`` (known values only)."""
+    if timings is None:
+        return {}
+    out: dict[str, float] = {}
+    for name in ("queue_s", "ttft_s", "tpot_s", "e2e_s"):
+        value = getattr(timings, name, None)
+        if value is not None:
+            out[name] = round(float(value), 6)
+    return out
+
+
+def engine_sampling_params(req: GenerationRequest) -> Any:
+    """The engine's ``SamplingParams`` for a wire request."""
+    from tokenfleet.worker.engine.request import SamplingParams
+
+    s = req.sampling
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+    )

@@ -1,0 +1,203 @@
+"""A worker's own settings: CLI flags first, then ``TOKENFLEET_*`` environment variables.
+
+Connection settings (``REDIS_URL``, ``TOKENFLEET_KEY_PREFIX``) live in
+:class:`tokenfleet.shared.settings.Settings`; this module holds what only a worker needs: the
+model, the engine's limits, which priorities it serves, its name, and the crash-safety timers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
+from tokenfleet.shared.priority import PRIORITIES, Priority
+
+# Environment variable -> (field name, parser name). Every name here is whitelisted in
+# tokenfleet.shared.settings._ENV_OWNED_ELSEWHERE so Settings.from_env does not reject it.
+ENV_VARS: dict[str, str] = {
+    "TOKENFLEET_MODEL": "model",
+    "TOKENFLEET_MODEL_NAME": "model_name",
+    "TOKENFLEET_DEVICE": "device",
+    "TOKENFLEET_DTYPE": "dtype",
+    "TOKENFLEET_MAX_NUM_SEQS": "max_num_seqs",
+    "TOKENFLEET_MAX_BATCHED_TOKENS": "max_batched_tokens",
+    "TOKENFLEET_KV_BLOCKS": "kv_blocks",
+    "TOKENFLEET_KV_MEMORY": "kv_memory",
+    "TOKENFLEET_BLOCK_SIZE": "block_size",
+    "TOKENFLEET_PRIORITIES": "priorities",
+    "TOKENFLEET_NAME": "name",
+    "TOKENFLEET_METRICS_PORT": "metrics_port",
+    "TOKENFLEET_THREADS": "threads",
+    "TOKENFLEET_GRACE_S": "grace_s",
+}
+
+_INT_FIELDS = frozenset(
+    {"max_num_seqs", "max_batched_tokens", "kv_blocks", "block_size", "metrics_port", "threads"}
+)
+_FLOAT_FIELDS = frozenset(
+    {"grace_s", "heartbeat_interval_s", "heartbeat_ttl_s", "claim_interval_s", "claim_idle_s"}
+)
+_MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_memory(text: str) -> int:
+    """Parse ``"512M"``, ``"2GiB"``, ``"1.5G"`` or a plain byte count into bytes (binary units)."""
+    m = _MEMORY_RE.match(str(text))
+    if not m:
+        raise SettingsError(f"memory amount {text!r} must look like 512M, 2GiB or 1073741824")
+    value = float(m.group(1)) * _MEMORY_UNITS[m.group(2).upper()]
+    if value <= 0:
+        raise SettingsError(f"memory amount {text!r} must be positive")
+    return int(value)
+
+
+def parse_priorities(text: str | None) -> tuple[Priority, ...]:
+    """``"critical,normal"`` -> those priorities, most urgent first; empty/None = all three."""
+    if text is None or not str(text).strip():
+        return PRIORITIES
+    try:
+        found = {Priority.parse(part) for part in str(text).split(",") if part.strip()}
+    except ValueError as exc:
+        raise SettingsError(str(exc)) from None
+    return tuple(sorted(found))
+
+
+def default_worker_name() -> str:
+    """``HOST-PID`` sanitised to the worker-name alphabet (unique per process on one host)."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:40].strip("-.") or "worker"
+    return f"{host}-{os.getpid()}"
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    """Everything a worker process needs besides the Redis connection.
+
+    Attributes:
+        model: local folder or hub id given to ``from_pretrained``.
+        model_name: served-model name: the queues read are ``P:q:<model_name>:<priority>``.
+        device, dtype: passed to the engine (None / "auto" = its defaults).
+        max_num_seqs, max_batched_tokens: engine limits per step.
+        kv_blocks / kv_memory_bytes: KV cache size (at most one; neither = engine default).
+        block_size: tokens per KV block.
+        priorities: the levels this worker serves, most urgent first.
+        name: consumer name in every group and heartbeat key; unique in the fleet.
+        metrics_port: Prometheus endpoint port; None = no endpoint.
+        threads: ``torch.set_num_threads`` (None = torch's default).
+        grace_s: on SIGTERM, how long running requests may take before being handed back.
+        heartbeat_interval_s / heartbeat_ttl_s: how often the worker beats, and how long its
+            heartbeat lives without a new beat (a worker is dead once it lapses).
+        claim_interval_s: how often a worker looks for entries of dead workers.
+        claim_idle_s: an entry must have been idle this long before it can be claimed.
+        poison_limit: a request taken by more than this many workers ends ``worker_lost``.
+        starvation_pulls: a waiting lower priority is read at least every this many pulls.
+        block_ms: longest blocking XREADGROUP when idle (timers run between reads).
+    """
+
+    model: str
+    model_name: str = DEFAULT_MODEL
+    device: str | None = None
+    dtype: str = "auto"
+    max_num_seqs: int = 32
+    max_batched_tokens: int = 512
+    kv_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    block_size: int = 16
+    priorities: tuple[Priority, ...] = PRIORITIES
+    name: str = field(default_factory=default_worker_name)
+    metrics_port: int | None = None
+    threads: int | None = None
+    grace_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 10.0
+    claim_interval_s: float = 2.0
+    claim_idle_s: float = 5.0
+    poison_limit: int = 3
+    starvation_pulls: int = 8
+    block_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
+        try:
+            check_model_name(self.model_name)
+            check_name("worker", self.name)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        if self.kv_blocks is not None and self.kv_memory_bytes is not None:
+            raise SettingsError("give either --kv-blocks or --kv-memory, not both")
+        for name in ("max_num_seqs", "max_batched_tokens", "block_size", "poison_limit"):
+            _check_positive(name, getattr(self, name))
+        for name in ("kv_blocks", "kv_memory_bytes", "threads"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise SettingsError(f"metrics port must be in 0..65535, got {self.metrics_port}")
+        if not self.priorities:
+            raise SettingsError("a worker must serve at least one priority")
+        self.priorities = tuple(sorted(set(self.priorities)))
+        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
+            raise SettingsError("heartbeat TTL must be longer than the heartbeat interval")
+        for name in ("grace_s", "claim_interval_s", "claim_idle_s", "heartbeat_interval_s"):
+            if getattr(self, name) < 0:
+                raise SettingsError(f"{name} must be >= 0")
+        _check_positive("starvation_pulls", self.starvation_pulls)
+        _check_positive("block_ms", self.block_ms)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
+        """Build from ``TOKENFLEET_*`` variables; non-None ``overrides`` (CLI flags) win."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for var, name in ENV_VARS.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            values[name] = _parse(name, raw, var)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "kv_memory" in values:
+            mem = values.pop("kv_memory")
+            values["kv_memory_bytes"] = mem if isinstance(mem, int) else parse_memory(mem)
+        if isinstance(values.get("priorities"), str):
+            values["priorities"] = parse_priorities(values["priorities"])
+        if "model" not in values:
+            raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
+        return cls(**values)
+
+    def engine_overrides(self) -> dict[str, Any]:
+        """Keyword arguments for ``EngineConfig`` (only what was set)."""
+        out: dict[str, Any] = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_batched_tokens,
+            "block_size": self.block_size,
+            "dtype": self.dtype,
+        }
+        if self.device:
+            out["device"] = self.device
+        if self.kv_blocks is not None:
+            out["num_kv_blocks"] = self.kv_blocks
+        if self.kv_memory_bytes is not None:
+            out["kv_memory_bytes"] = self.kv_memory_bytes
+        return out
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _parse(name: str, raw: str, var: str) -> Any:
+    try:
+        if name in _INT_FIELDS:
+            return int(raw)
+        if name in _FLOAT_FIELDS:
+            return float(raw)
+    except ValueError:
+        raise SettingsError(f"{var} must be a number, got {raw!r}") from None
+    return raw
