@@ -27,7 +27,7 @@ from tokenfleet.shared.scripts.finish import FINISH_FUNCTION
 from tokenfleet.shared.scripts.registry import LuaScript
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
-# evicts or refuses (bounded work per call; see docs/producer.md "Deadlines").
+# evicts or refuses (bounded work per call; see README "Deadlines").
 RECLAIM_SCAN = 16
 ID_PLACEHOLDER = "tfid-placeholder"
 DROPPED_MESSAGE = "evicted from its full queue by a newer request (policy drop_oldest)"
