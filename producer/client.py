@@ -82,7 +82,7 @@ class Client:
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, prompt: Any = None, *, timeout: float | None = None, **params: Any) -> Handle:
-        """Enqueue one request and return its handle (see the README, "Submitting work", for parameters).
+        """Enqueue one request and return its handle (parameters: README, "Submitting work").
 
         On a full queue: ``drop_newest`` raises ``Overloaded``; ``drop_oldest`` evicts the
         oldest waiting request; ``block`` waits for room up to ``timeout`` seconds (None: no
