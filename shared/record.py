@@ -3,7 +3,6 @@
 Fields of the hash (all values are strings; times are epoch seconds):
 
     status          a ``RequestStatus`` value
-    request         the encoded ``GenerationRequest`` (JSON)
     model, priority where it was queued
     stream_id       its entry id in the queue stream (used to evict, cancel or ack it)
     enqueued_at, started_at, first_token_at, finished_at

@@ -144,8 +144,10 @@ for j = 22, #ARGV, 3 do
     end
     if admit then
       local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', payload, 'dl', deadline)
+      -- The payload lives in the stream entry only (the worker reads it there; a claim or a
+      -- handback keeps the entry's fields), so the record does not store a second copy.
       redis.call('HSET', rec, 'status', 'queued', 'stream_id', sid, 'enqueued_at', now,
-                 'request', payload, 'model', ARGV[5], 'priority', ARGV[6], 'num_tokens', '0',
+                 'model', ARGV[5], 'priority', ARGV[6], 'num_tokens', '0',
                  'attempts', '0', 'deadline', deadline, 'worker', '')
       redis.call('EXPIRE', rec, ttl)
       waiting = waiting + 1

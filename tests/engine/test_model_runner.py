@@ -325,7 +325,7 @@ def test_smoke_forward_detects_a_layer_that_skips_the_function(
 
     original = modeling_qwen2.Qwen2Attention.forward
 
-    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def forward(self, *args, **kwargs):
         if self.layer_idx == 1:
             self.config._attn_implementation = "sdpa"
             try:
@@ -337,3 +337,60 @@ def test_smoke_forward_detects_a_layer_that_skips_the_function(
     monkeypatch.setattr(modeling_qwen2.Qwen2Attention, "forward", forward)
     with pytest.raises(UnsupportedModel, match=r"layers \[0\], expected each of 0\.\.1 once"):
         ModelRunner(tiny_qwen2_dir, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("enable_gqa", [True, False], ids=["sdpa-gqa", "kv-repeated"])
+def test_prefill_chunk_attention_matches_reference(
+    window: int | None, softcap: float | None, enable_gqa: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every token of a chunk that starts mid-block (4-D SDPA with ``enable_gqa`` or, as on torch
+    < 2.5, with K/V repeated; and the softcap path) equals a per-head softmax over its visible
+    keys, for grouped-query heads."""
+    from tokenfleet.worker.engine import paged_attention
+    from tokenfleet.worker.engine.paged_attention import (
+        PagedKVCache,
+        PrefillChunk,
+        _prefill_attention,
+    )
+
+    monkeypatch.setattr(paged_attention, "SDPA_ENABLE_GQA", enable_gqa)
+
+    kv_heads, heads, head_dim, bs, start, m = 2, 6, 8, 4, 6, 9
+    cache = PagedKVCache(
+        num_layers=1,
+        num_blocks=NUM_BLOCKS,
+        block_size=bs,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    gen = torch.Generator().manual_seed(0)
+    layer = cache.layers[0]
+    layer.copy_(torch.randn(layer.shape, generator=gen))
+    table = shuffled_blocks(3)[: -(-(start + m) // bs)]
+    chunk = PrefillChunk(
+        token_start=2,
+        token_end=2 + m,
+        start_pos=start,
+        num_blocks=len(table),
+        rows=cache.gather_rows(torch.tensor(table)),
+    )
+    query = torch.randn(1, m + 5, heads, head_dim, generator=gen).transpose(1, 2)  # strided
+    scale = 0.3
+    got = _prefill_attention(chunk, cache, layer, query, scale, window, softcap)
+    group = heads // kv_heads
+    for t in range(m):
+        pos = start + t
+        visible = [p for p in range(pos + 1) if window is None or p > pos - window]
+        for h in range(heads):
+            kvh = h // group
+            k = torch.stack([layer[0, kvh, table[p // bs], p % bs] for p in visible])
+            v = torch.stack([layer[1, kvh, table[p // bs], p % bs] for p in visible])
+            scores = k @ query[0, h, 2 + t] * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            want = torch.softmax(scores, dim=0) @ v
+            torch.testing.assert_close(got[t, h], want, atol=1e-5, rtol=0)

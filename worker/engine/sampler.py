@@ -76,7 +76,7 @@ class Sampler:
                     self._per_token.manual_seed(token_seed(seed, output_indices[i]))
                     noise[j].exponential_(generator=self._per_token)
             tokens[rows] = (probs / noise).argmax(dim=-1)
-        return [int(t) for t in tokens.tolist()]
+        return tokens.tolist()  # list[int]: a 1-D long tensor
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
