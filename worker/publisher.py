@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -23,6 +24,7 @@ from tokenfleet.shared.scripts.worker import APPEND_TOKENS
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Job
 from tokenfleet.worker.pipelined import ScriptPipeline
+from tokenfleet.worker.pool_link import PoolCall
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class StepResult:
     lost: set[str] = field(default_factory=set)  # ids another worker holds now: drop locally
     cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
     finished: list[Finish] = field(default_factory=list)  # finishes that took effect
+    pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
 
 
 class Publisher:
@@ -59,6 +62,7 @@ class Publisher:
         tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
         finishes: Sequence[Finish],
         check_cancel: Sequence[str] = (),
+        pool_call: PoolCall | None = None,
     ) -> StepResult:
         """One pipelined round trip: tokens, then finishes, then the cancel check.
 
@@ -67,7 +71,7 @@ class Publisher:
         ``text_parts`` advance. Not thread-safe per job: the service runs every publish of a
         job on one thread, in step order.
         """
-        if not tokens and not finishes and not check_cancel:
+        if not tokens and not finishes and not check_cancel and pool_call is None:
             return StepResult()
         now = time.time()
         ttl = self.settings.record_ttl_s
@@ -100,8 +104,10 @@ class Publisher:
             pipe.script(FINISH, k, a)
         if check_cancel:
             pipe.command("SMISMEMBER", self.keys.cancel_set, *check_cancel)
+        if pool_call is not None:
+            pool_call.queue(pipe)  # last: its reply is replies[-1]
         replies = pipe.execute()
-        result = StepResult()
+        result = StepResult(pool_reply=replies[-1] if pool_call is not None else None)
         i = 0
         for job, events in tokens:
             code = replies[i][0]

@@ -8,6 +8,11 @@ One iteration::
     publish (tokens, finishes, cancel check: one pipelined round trip) to the publisher thread,
     after applying the previous one's results; abort what was cancelled.
 
+With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
+before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the
+same publish round trip, applies its reply with the publish's results, keeps the lease alive while
+idle, and leaves the pool on shutdown.
+
 Three threads, one owner each: the loop owns the engine and ``jobs``; the intake thread
 (``reader.IntakeReader``) owns reading (``XREADGROUP``, blocking when nothing waits) and
 starting entries; the publisher thread runs publishes in step order, one in flight, so Redis
@@ -40,18 +45,20 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import redis
 
 from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.shared.keys import CONSUMER_GROUP
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.worker import HANDBACK
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
+from tokenfleet.worker.kv_pool import KVPoolMember
 from tokenfleet.worker.metrics import WorkerMetrics
+from tokenfleet.worker.pool_link import PoolEngine, PoolLink
 from tokenfleet.worker.publisher import Finish, Publisher, StepResult
 from tokenfleet.worker.reader import Delivery, IntakeReader
 from tokenfleet.worker.recovery import Claimer, Heartbeat
@@ -122,6 +129,16 @@ class WorkerService:
         self.claimer = Claimer(self.client, self.intake, claim_idle_s=wsettings.claim_idle_s)
         self.reader = IntakeReader(self.intake, block_ms=wsettings.block_ms)
         self.jobs: dict[str, Job] = {}
+        self.pool: PoolLink | None = None  # the engine's link to a shared KV pool
+        if wsettings.kv_pool:
+            member = KVPoolMember(
+                client=self.client,
+                keys=Keys(settings.key_prefix),
+                pool=wsettings.kv_pool,
+                member=name,
+                weight=wsettings.share_weight,
+            )
+            self.pool = PoolLink(cast(PoolEngine, engine), member)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
         self._inflight: deque[Future[StepResult]] = deque()
         self._cancels: set[str] = set()
@@ -155,6 +172,8 @@ class WorkerService:
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
         self.intake.ensure_groups()
+        if self.pool is not None:
+            self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
         self._beat()
         self.reader.start()
         log.info(
@@ -186,6 +205,8 @@ class WorkerService:
                     idle = not self.engine.has_unfinished()
                     self.reader.grant(self._budget(), idle=idle)
                     wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
+                    if idle and self.pool is not None:
+                        wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
                     self._deliver(self.reader.take(wait_s))
                 if self.engine.has_unfinished():
                     self._step()
@@ -212,6 +233,11 @@ class WorkerService:
             except Exception:  # already failing: the heartbeat must still go
                 log.exception("worker %s: publishing failed", self.ws.name)
             self._executor.shutdown(wait=True)
+            if self.pool is not None:
+                try:
+                    self.pool.leave()
+                except redis.RedisError:
+                    log.exception("worker %s: could not leave its KV pool", self.ws.name)
             try:
                 self.heartbeat.remove()
             except redis.RedisError:
@@ -310,6 +336,8 @@ class WorkerService:
     # -- stepping and publishing --------------------------------------------------------------
     def _step(self) -> None:
         try:
+            if self.pool is not None:
+                self.pool.before_step()  # a preemption order from the last reply
             outputs = self.engine.step()
         except Exception as exc:
             self._step_failed(exc)
@@ -362,16 +390,25 @@ class WorkerService:
         applied one step late.
         """
         self.flush()
+        call = self.pool.plan() if self.pool is not None else None
         self._inflight.append(
-            self._executor.submit(self.publisher.publish, tokens, finishes, check)
+            self._executor.submit(self.publisher.publish, tokens, finishes, check, call)
         )
 
     def flush(self) -> None:
         """Wait for every publish in flight and apply its result."""
         while self._inflight:
-            self._apply(self._inflight.popleft().result())
+            try:
+                result = self._inflight.popleft().result()
+            except BaseException:
+                if self.pool is not None:
+                    self.pool.abandon()
+                raise
+            self._apply(result)
 
     def _apply(self, result: StepResult) -> None:
+        if self.pool is not None and result.pool_reply is not None:
+            self.pool.after_execute(result.pool_reply)
         for fin in result.finished:
             self.jobs.pop(fin.job.request_id, None)
             ev = fin.event
@@ -533,6 +570,7 @@ class WorkerService:
                 "kv_blocks_total": self._kv_total,
                 "tokens_total": self._tokens_total,
                 "stopping": int(self.stop_requested),
+                **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
             }
         )
 

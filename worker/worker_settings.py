@@ -17,6 +17,7 @@ from typing import Any
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import PRIORITIES, Priority
+from tokenfleet.shared.scripts.pool import weight_milli
 
 # Environment variable -> (field name, parser name). Every name here is whitelisted in
 # tokenfleet.shared.settings._ENV_OWNED_ELSEWHERE so Settings.from_env does not reject it.
@@ -35,13 +36,22 @@ ENV_VARS: dict[str, str] = {
     "TOKENFLEET_METRICS_PORT": "metrics_port",
     "TOKENFLEET_THREADS": "threads",
     "TOKENFLEET_GRACE_S": "grace_s",
+    "TOKENFLEET_KV_POOL": "kv_pool",
+    "TOKENFLEET_SHARE_WEIGHT": "share_weight",
 }
 
 _INT_FIELDS = frozenset(
     {"max_num_seqs", "max_batched_tokens", "kv_blocks", "block_size", "metrics_port", "threads"}
 )
 _FLOAT_FIELDS = frozenset(
-    {"grace_s", "heartbeat_interval_s", "heartbeat_ttl_s", "claim_interval_s", "claim_idle_s"}
+    {
+        "grace_s",
+        "heartbeat_interval_s",
+        "heartbeat_ttl_s",
+        "claim_interval_s",
+        "claim_idle_s",
+        "share_weight",
+    }
 )
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -98,6 +108,8 @@ class WorkerSettings:
         poison_limit: a request taken by more than this many workers ends ``worker_lost``.
         starvation_pulls: a waiting lower priority is read at least every this many pulls.
         block_ms: longest blocking XREADGROUP when idle (timers run between reads).
+        kv_pool: shared KV pool to join (docs/kv_pools.md); None: the engine's whole cache.
+        share_weight: this worker's weight in the pool (0.001 to 100).
     """
 
     model: str
@@ -121,6 +133,8 @@ class WorkerSettings:
     poison_limit: int = 3
     starvation_pulls: int = 8
     block_ms: int = 1000
+    kv_pool: str | None = None
+    share_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -148,6 +162,12 @@ class WorkerSettings:
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0")
         _check_positive("starvation_pulls", self.starvation_pulls)
+        try:
+            if self.kv_pool is not None:
+                check_name("pool", self.kv_pool)
+            weight_milli(self.share_weight)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         _check_positive("block_ms", self.block_ms)
 
     @classmethod

@@ -71,3 +71,20 @@ def test_snapshot_for_status(url: str) -> None:
     view = pool_snapshot(r, PREFIX, "gpu0")
     r.close()
     assert (view["name"], view["total"], view["free"], view["members"]) == ("gpu0", 64, 64, [])
+
+
+def test_status_shows_pools(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pool", "create", "gpu0", "--blocks", "64"]) == 0
+    r = redis.Redis.from_url(url)
+    member = KVPoolMember(client=r, keys=PREFIX, pool="gpu0", member="w1", weight=2.0)
+    member.join()
+    member.step(active=True, want_blocks=16)
+    capsys.readouterr()
+    assert main(["status", "--json"]) == 0
+    (pool,) = orjson.loads(capsys.readouterr().out)["pools"]
+    assert pool["name"] == "gpu0" and [m["name"] for m in pool["members"]] == ["w1"]
+    assert main(["status"]) == 0
+    text = capsys.readouterr().out
+    assert "KV pools: 1" in text and "gpu0" in text and "w1" in text
+    member.leave()
+    r.close()

@@ -78,7 +78,22 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
         "lapsed_workers": lapsed,
         "queues": queues,
         "dead_letters": dead,
+        "pools": _pools(client, keys),
     }
+
+
+def _pools(client: Any, keys: Any) -> list[dict[str, Any]]:
+    """Every shared KV pool's snapshot (members, weights, held, entitlement, preemptions)."""
+    from tokenfleet.shared.errors import PoolError
+    from tokenfleet.worker.kv_pool import pool_names, pool_snapshot
+
+    views = []
+    for name in pool_names(client, keys):
+        try:
+            views.append(pool_snapshot(client, keys, name))
+        except PoolError:  # listed but deleted since
+            continue
+    return views
 
 
 def render(snap: dict[str, Any]) -> str:
@@ -109,6 +124,11 @@ def render(snap: dict[str, Any]) -> str:
                 f"  {q['model'][:16]:<16} {q['priority']:<9} {q['waiting']:>8} "
                 f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
             )
+    if snap["pools"]:
+        from tokenfleet.worker.commands.pool import format_pool
+
+        lines.append(f"KV pools: {len(snap['pools'])}")
+        lines.extend(format_pool(view) for view in snap["pools"])
     return "\n".join(lines)
 
 

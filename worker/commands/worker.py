@@ -69,6 +69,10 @@ def register(subparsers: Any) -> None:
         type=int,
         help="workers a request may outlive before it ends worker_lost (3)",
     )
+    p.add_argument("--kv-pool", help="shared KV pool to join (TOKENFLEET_KV_POOL)")
+    p.add_argument(
+        "--share-weight", type=float, help="weight in the KV pool (TOKENFLEET_SHARE_WEIGHT, 1)"
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     p.set_defaults(func=func)
 
@@ -98,6 +102,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         claim_idle_s=args.claim_idle_s,
         claim_interval_s=args.claim_interval_s,
         poison_limit=args.poison_limit,
+        kv_pool=args.kv_pool,
+        share_weight=args.share_weight,
     )
     return settings, ws
 

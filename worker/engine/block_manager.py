@@ -58,6 +58,12 @@ class BlockManager:
         * block tables are append-only: a sequence's table only grows until ``free``;
         * only full blocks whose K/V were computed get a hash (``cache_blocks``).
 
+    Block limit (a shared KV pool's grant, issue 6): ``block_limit`` caps the blocks in use.
+    Allocations and appends never take the in-use count above it; lowering it below the in-use
+    count frees nothing (the scheduler preempts). Free cached blocks do not count as in use: they
+    are evictable, and reviving one by a prefix-cache hit counts against the limit like any
+    other block taken from the free pool. ``None`` means no limit (the whole pool).
+
     Allocation prefers contiguous runs: a sequence's next block is the one after its last block
     when that is free and clean, otherwise the lowest free clean id, otherwise the least recently
     used cached block (which is then evicted from the cache).
@@ -80,6 +86,7 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_slots: dict[str, int] = {}  # token slots each table covers
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already offered
+        self.block_limit: int | None = None  # in-use blocks at most (None: no limit)
 
     # ----------------------------------------------------------------------------- questions
 
@@ -90,7 +97,29 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks referenced by some block table (free cached blocks excluded)."""
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_allocatable_blocks(self) -> int:
+        """Blocks allocations may take now: the free ones, within ``block_limit``."""
+        free = self.num_free_blocks
+        if self.block_limit is None:
+            return free
+        return max(0, min(free, self.block_limit - self.num_used_blocks))
+
+    def set_block_limit(self, num_blocks: int | None) -> None:
+        """Cap the blocks in use at ``num_blocks`` (None: no cap). Frees nothing."""
+        if num_blocks is not None and (
+            isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0
+        ):
+            raise ValueError(f"block limit must be an integer >= 0 or None, got {num_blocks!r}")
+        self.block_limit = num_blocks
+
+    @property
+    def over_limit(self) -> bool:
+        """More blocks in use than ``block_limit`` allows (it was lowered below use)."""
+        return self.block_limit is not None and self.num_used_blocks > self.block_limit
 
     def block_table(self, seq_id: str) -> list[int]:
         """The sequence's block table (the live list: callers must not modify it)."""
@@ -117,23 +146,28 @@ class BlockManager:
             n += 1
         return n
 
-    def can_allocate(self, num_tokens: int, block_hashes: Sequence[bytes] = ()) -> AllocStatus:
-        """Could a new sequence of ``num_tokens`` known tokens get blocks for all of them?"""
-        num_needed = num_blocks_for(num_tokens, self.block_size)
-        if num_needed > self.num_blocks:
-            return AllocStatus.NEVER
+    def num_blocks_to_take(self, num_tokens: int, block_hashes: Sequence[bytes] = ()) -> int:
+        """Blocks a new sequence of ``num_tokens`` tokens would take out of the free pool now:
+        its blocks minus cache hits on blocks in use (a hit on a free cached block takes it)."""
         num_hits = self.num_cache_hit_blocks(num_tokens, block_hashes)
-        # hits on free cached blocks take them out of the free pool
         num_revived = sum(
             1 for h in block_hashes[:num_hits] if self.ref_counts[self.cached[h]] == 0
         )
-        if num_needed - num_hits <= self.num_free_blocks - num_revived:
+        return num_blocks_for(num_tokens, self.block_size) - num_hits + num_revived
+
+    def can_allocate(self, num_tokens: int, block_hashes: Sequence[bytes] = ()) -> AllocStatus:
+        """Could a new sequence of ``num_tokens`` known tokens get blocks for all of them?
+
+        ``LATER`` also when only the block limit stands in the way."""
+        if num_blocks_for(num_tokens, self.block_size) > self.num_blocks:
+            return AllocStatus.NEVER
+        if self.num_blocks_to_take(num_tokens, block_hashes) <= self.num_allocatable_blocks:
             return AllocStatus.NOW
         return AllocStatus.LATER
 
     def can_append(self, seq_id: str) -> bool:
         """Could the sequence get one more token slot?"""
-        return self._num_slots[seq_id] % self.block_size != 0 or self.num_free_blocks > 0
+        return self._num_slots[seq_id] % self.block_size != 0 or self.num_allocatable_blocks > 0
 
     # ------------------------------------------------------------------------------- actions
 

@@ -250,11 +250,63 @@ class Engine:
         num_needed = sum(num_blocks_for(r.num_tokens, block_size) for r in waiting)
         return EngineCapacity(
             free_seq_slots=max(0, self.config.max_num_seqs - len(running) - len(waiting)),
-            free_kv_blocks=max(0, self.block_manager.num_free_blocks - num_needed),
+            free_kv_blocks=max(0, self.block_manager.num_allocatable_blocks - num_needed),
             num_waiting=len(waiting),
             num_running=len(running),
             block_size=block_size,
         )
+
+    # ------------------------------------------------------------------- shared KV pool
+    # The per-step contract of docs/kv_pools.md; ``tokenfleet.worker.pool_link`` drives it.
+
+    def set_kv_block_limit(self, num_blocks: int | None) -> None:
+        """Admit and grow requests only while the blocks in use stay within ``num_blocks``
+        (None: the whole cache). Lowered below the blocks in use, the next ``step()`` preempts
+        (recompute) the lowest-priority, latest-arrived running requests until within. Free
+        prefix-cached blocks are not in use; reviving one counts like taking a free block."""
+        self.block_manager.set_block_limit(num_blocks)
+
+    @property
+    def kv_block_limit(self) -> int | None:
+        return self.block_manager.block_limit
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """The engine's own KV cache, in blocks (a limit above it cannot be used)."""
+        return self.block_manager.num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """KV blocks referenced by running requests (free cached blocks excluded)."""
+        return self.block_manager.num_used_blocks
+
+    @property
+    def num_blocks_wanted(self) -> int:
+        """More blocks the next step would take: running requests' growth plus the head waiting
+        request's blocks (when a sequence slot is free)."""
+        return self.scheduler.num_blocks_wanted()
+
+    def blocks_by_priority(self) -> list[int]:
+        """Blocks in use by running requests per priority, most urgent first (shared blocks
+        count once, for the most urgent user)."""
+        return self.scheduler.blocks_by_priority()
+
+    def kv_block_shortfall(self) -> tuple[Priority, int] | None:
+        """(priority, blocks lacking) of the head waiting request when only the block limit keeps
+        it out, else None: the pool ask."""
+        return self.scheduler.kv_block_shortfall()
+
+    def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
+        """Free up to ``num_blocks`` for the pool now: spare blocks under the limit first, then
+        by preempting (recompute) running requests strictly less urgent than ``priority``, least
+        urgent and latest first. Returns the blocks freed; the caller lowers the limit by them.
+        Preemptions are counted in the next step's stats."""
+        return self.scheduler.preempt_for_pool(num_blocks, Priority(priority))
+
+    @property
+    def has_work(self) -> bool:
+        """Running or waiting requests (an engine without them is idle for the pool)."""
+        return self.scheduler.has_unfinished()
 
     # -------------------------------------------------------------------------------- step
 

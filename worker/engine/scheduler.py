@@ -16,6 +16,12 @@ arrivals of its priority. A waiting request that has waited ``max_wait_steps`` s
 ``max_wait_s`` seconds is boosted: it goes to the front of admission and may preempt less urgent
 running requests to get in. Boosted requests are ordered by arrival among themselves, so two
 starving requests never preempt each other back and forth.
+
+Shared KV pool (issue 6): the block manager's ``block_limit`` is the member's grant. Admission and
+growth stay within it; when it was lowered below the blocks in use, the next ``schedule`` first
+preempts the least urgent running requests until within. ``preempt_for_pool`` executes a pool's
+preemption order between steps; ``num_blocks_wanted``, ``blocks_by_priority`` and
+``kv_block_shortfall`` are what the pool's per-step call reports.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
 from tokenfleet.worker.engine.block_manager import (
     AllocStatus,
@@ -77,6 +84,7 @@ class Scheduler:
           ``running`` is RUNNING and holds blocks, one in ``waiting`` is WAITING or PREEMPTED and
           holds none; FINISHED requests are in neither.
         * ``len(running) <= max_num_seqs``.
+        * after ``schedule``, the blocks in use are within the block manager's ``block_limit``.
         * every scheduled chunk ends at or before the request's last known token, and the
           request's block table covers it.
     """
@@ -94,6 +102,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_index = 0  # number of schedule() calls so far
+        self._num_pool_preemptions = 0  # by preempt_for_pool since the last schedule()
 
     # ------------------------------------------------------------------------------- queues
 
@@ -148,10 +157,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide this step: decode tokens, then prefill chunks, then admissions."""
         self.step_index += 1
-        out = SchedulerOutput()
+        out = SchedulerOutput(num_preemptions=self._num_pool_preemptions)
+        self._num_pool_preemptions = 0
         decode: dict[str, ScheduledSeq] = {}
         prefill: dict[str, ScheduledSeq] = {}
         self._boost_starving()
+        # 0. a lowered block limit: preempt the least urgent until within it
+        while self.block_manager.over_limit and self.running:
+            self._preempt(self.running[-1], out)
         budget = self.config.max_num_batched_tokens
 
         # 1. decode: one token each for running requests one token behind; preempt to make room
@@ -314,9 +327,87 @@ class Scheduler:
             reclaimable.update(bm.block_table(r.request_id))
         num_needed = num_blocks_for(req.num_tokens, self.block_size)
         num_needed -= bm.num_cache_hit_blocks(req.num_tokens, req.block_hashes)
-        if num_needed > bm.num_free_blocks + len(reclaimable):
+        if num_needed > bm.num_allocatable_blocks + len(reclaimable):
             return None
         return victims[-1]
+
+    # ------------------------------------------------------------------- shared KV pool
+
+    def num_blocks_wanted(self) -> int:
+        """Blocks the next step would take: growth of running requests to cover their known
+        tokens, plus the head waiting request's blocks when a sequence slot is free."""
+        bm = self.block_manager
+        num = sum(
+            max(
+                0, num_blocks_for(r.num_tokens, self.block_size) - len(bm.block_table(r.request_id))
+            )
+            for r in self.running
+        )
+        head = self._admissible_head()
+        if head is not None:
+            num += bm.num_blocks_to_take(head.num_tokens, head.block_hashes)
+        return num
+
+    def blocks_by_priority(self) -> list[int]:
+        """Blocks in use by running requests per priority, most urgent first. A block shared by
+        requests of several priorities counts once, for the most urgent (preempting the others
+        would not free it); the counts sum to the blocks in use."""
+        counts = [0] * len(PRIORITIES)
+        seen: set[int] = set()
+        bm = self.block_manager
+        for req in sorted(self.running, key=lambda r: int(r.priority)):
+            for block in bm.block_table(req.request_id):
+                if block not in seen:
+                    seen.add(block)
+                    counts[int(req.priority)] += 1
+        return counts
+
+    def kv_block_shortfall(self) -> tuple[Priority, int] | None:
+        """(priority, blocks lacking) of the head waiting request when only the block limit
+        keeps it out: what a pool member asks its pool for. None when it fits, when the engine's
+        own cache is what is short (more budget would not help), or with no limit."""
+        bm = self.block_manager
+        head = self._admissible_head()
+        if head is None or bm.block_limit is None:
+            return None
+        num_take = bm.num_blocks_to_take(head.num_tokens, head.block_hashes)
+        if num_take > bm.num_free_blocks:
+            return None
+        lacking = num_take - max(0, bm.block_limit - bm.num_used_blocks)
+        return (head.priority, lacking) if lacking > 0 else None
+
+    def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
+        """Make up to ``num_blocks`` blocks givable back to the pool; returns how many.
+
+        Spare blocks (allowed by the limit, unused) count first; then running requests strictly
+        less urgent than ``priority`` are preempted (recompute), lowest priority and latest
+        arrival first, until enough blocks are free. The caller lowers the limit by the result.
+        """
+        if num_blocks <= 0:
+            return 0
+        bm = self.block_manager
+        limit = bm.block_limit if bm.block_limit is not None else bm.num_blocks
+        freed = max(0, limit - bm.num_used_blocks)
+        victims = sorted(
+            (r for r in self.running if int(r.priority) > int(priority)),
+            key=lambda r: (int(r.priority), r.timings.arrival_time, r.arrival_seq),
+        )
+        out = SchedulerOutput()
+        while freed < num_blocks and victims:
+            before = bm.num_used_blocks
+            self._preempt(victims.pop(), out)
+            freed += before - bm.num_used_blocks
+        self._num_pool_preemptions += out.num_preemptions
+        return min(freed, num_blocks)
+
+    def _admissible_head(self) -> Request | None:
+        """The next waiting request to admit, if a sequence slot is free (hashes brought up
+        to date)."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        head = self.waiting[0]
+        extend_block_hashes(head.block_hashes, head.all_token_ids, self.block_size)
+        return head
 
     def _mark_finished(
         self,

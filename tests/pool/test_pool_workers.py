@@ -1,0 +1,194 @@
+"""Issue 6's end-to-end test: two real ``tokenfleet worker`` processes in one KV pool.
+
+Worker A (serves batch) is flooded and holds the whole pool; worker B (serves critical) is idle.
+Critical requests then go to B: B has no blocks, asks the pool, A is ordered to preempt and
+releases, and the critical requests finish while the batch flood is still running; A's batch
+requests keep producing tokens and all complete. No timing thresholds: "promptly" means before
+the flood ends.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.scripts.pool import PoolConfig
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.kv_pool import create_pool, pool_snapshot
+
+PREFIX = "tfpool"
+DEADLINE_S = 240.0  # failure guard only: every wait below polls for a state
+
+
+def wait_for(predicate: Callable[[], Any], what: str) -> Any:
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Worker:
+    def __init__(self, model_dir: Path, redis_url: str, name: str, log_dir: Path, *extra: str):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self.log = open(self.log_path, "wb")  # noqa: SIM115
+        env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": PREFIX}
+        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", str(model_dir)]
+        args += ["--name", name, "--threads", "1", "--block-size", "4", "--kv-blocks", "64"]
+        args += ["--kv-pool", "p", "--max-num-seqs", "8", *extra]
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def alive(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker {self.name} exited:\n{self.output()}")
+        return True
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(60)
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def workers(
+    tiny_llama_dir: Path, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> Iterator[tuple[Worker, Worker]]:
+    keys = Keys(PREFIX)
+    # cap 1000: A alone may hold everything. chunk 8: A gives spare back only above 20 blocks
+    # (plan_blocks' high watermark), so while flooded it keeps all 24 and B's blocks can only
+    # come from A (no free blocks).
+    config = PoolConfig(
+        total_blocks=24, block_size=4, cap_permille=1000, chunk_blocks=8, lease_ms=5000
+    )
+    create_pool(r, keys, "p", config)
+    a = Worker(tiny_llama_dir, redis_url, "wa", tmp_path, "--priorities", "batch")
+    b = Worker(tiny_llama_dir, redis_url, "wb", tmp_path, "--priorities", "critical")
+    try:
+        for w in (a, b):
+            wait_for(lambda: w.alive() and r.exists(keys.worker(w.name)), f"{w.name} ready")  # noqa: B023
+        yield a, b
+    finally:
+        for w in (a, b):
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait(10)
+
+
+def record(r: redis.Redis, rid: str) -> RequestRecord | None:
+    return RequestRecord.from_hash(rid, r.hgetall(Keys(PREFIX).record(rid)))
+
+
+def num_tokens(r: redis.Redis, rid: str) -> int:
+    rec = record(r, rid)
+    return 0 if rec is None else rec.num_tokens
+
+
+def held(r: redis.Redis) -> dict[str, int]:
+    return {m["name"]: m["held"] for m in pool_snapshot(r, Keys(PREFIX), "p")["members"]}
+
+
+def test_worker_settings_take_the_pool_from_flags_or_environment() -> None:
+    from tokenfleet.shared.errors import SettingsError
+    from tokenfleet.worker.worker_settings import WorkerSettings
+
+    env = {"TOKENFLEET_KV_POOL": "gpu0", "TOKENFLEET_SHARE_WEIGHT": "2.5"}
+    ws = WorkerSettings.from_env(env, model="m")
+    assert (ws.kv_pool, ws.share_weight) == ("gpu0", 2.5)
+    ws = WorkerSettings.from_env(env, model="m", kv_pool="other", share_weight=0.5)
+    assert (ws.kv_pool, ws.share_weight) == ("other", 0.5)
+    assert WorkerSettings.from_env({}, model="m").kv_pool is None
+    with pytest.raises(SettingsError, match="share weight"):
+        WorkerSettings.from_env({"TOKENFLEET_SHARE_WEIGHT": "0"}, model="m")
+    with pytest.raises(SettingsError):
+        WorkerSettings.from_env({"TOKENFLEET_KV_POOL": "a:b"}, model="m")
+
+
+@pytest.mark.slow
+def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
+    workers: tuple[Worker, Worker], redis_url: str, r: redis.Redis, tiny_llama_dir: Path
+) -> None:
+    import torch
+
+    from tokenfleet.producer import Client
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.engine.request import SamplingParams
+
+    a, b = workers
+    keys = Keys(PREFIX)
+    settings = Settings(redis_url=redis_url, key_prefix=PREFIX)
+    batch_prompts = {f"batch-{i}": f"Batch job {i}: summarise the queue" for i in range(12)}
+    critical_prompts = {f"crit-{i}": f"Urgent {i}: page the operator" for i in range(2)}
+    with Client.from_url(redis_url, settings=settings) as client:
+        batch = {
+            rid: client.submit(p, request_id=rid, priority="batch", max_tokens=40, temperature=0.0)
+            for rid, p in batch_prompts.items()
+        }
+
+        # the flood: A holds the whole pool, B (idle) nothing
+        wait_for(lambda: held(r) == {"wa": 24, "wb": 0}, "A to hold the whole pool")
+        orders_before = int(r.hget(keys.pool("p"), "order_seq") or 0)
+        tokens_before = sum(num_tokens(r, rid) for rid in batch)
+
+        critical = {
+            rid: client.submit(
+                p, request_id=rid, priority="critical", max_tokens=8, temperature=0.0
+            )
+            for rid, p in critical_prompts.items()
+        }
+
+        def critical_done() -> bool:
+            snap = pool_snapshot(r, keys, "p")
+            assert snap["held"] <= snap["total"]
+            return all((rec := record(r, rid)) and rec.status.is_terminal for rid in critical)
+
+        wait_for(critical_done, "the critical requests")
+        crit_results = {rid: h.result(timeout=DEADLINE_S) for rid, h in critical.items()}
+
+        # promptly: the flood is still running when the critical requests are done
+        states = [record(r, rid) for rid in batch]
+        assert any(s is not None and not s.status.is_terminal for s in states), "flood ended"
+        tokens_after = sum(num_tokens(r, rid) for rid in batch)
+        assert tokens_after > tokens_before, "A kept producing batch tokens meanwhile"
+        assert int(r.hget(keys.pool("p"), "order_seq") or 0) > orders_before, "no order filed"
+        # the order reached A with the same reply as its shrink, so it was executed (heartbeat)
+        wait_for(lambda: int(r.hget(keys.worker("wa"), "pool_orders") or 0) >= 1, "A's order")
+
+        batch_results = {rid: h.result(timeout=DEADLINE_S) for rid, h in batch.items()}
+    assert a.alive() and b.alive()
+    snap = pool_snapshot(r, keys, "p")
+    assert snap["held"] <= snap["total"]
+
+    # the outputs are an unlimited engine's (greedy), preemptions notwithstanding
+    torch.set_num_threads(1)
+    ref = Engine(tiny_llama_dir, device="cpu", block_size=4, num_kv_blocks=64)
+    for rid, res in crit_results.items():
+        want = ref.generate([critical_prompts[rid]], SamplingParams(temperature=0, max_tokens=8))
+        assert res.token_ids == want[0].token_ids, rid
+    for rid, res in batch_results.items():
+        params = SamplingParams(temperature=0, max_tokens=40)
+        want = ref.generate([batch_prompts[rid]], params)
+        assert res.token_ids == want[0].token_ids, rid
+
+    # graceful stop: both leave the pool, their blocks go back
+    assert a.stop() == 0 and b.stop() == 0
+    assert pool_snapshot(r, keys, "p")["members"] == []
