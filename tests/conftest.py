@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import fakeredis
 import pytest
@@ -65,6 +66,23 @@ def settings(redis_url: str) -> Settings:
 @pytest.fixture
 def keys() -> Keys:
     return Keys("tft")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama (4 layers, GQA 8/2 heads) with its byte-level BPE tokenizer, seed 0; built
+    once per session and shared by the engine, worker and pool tests."""
+    from tokenfleet.worker.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), flavour="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (2 layers, GQA 4/2 heads, q/k/v biases), seed 0."""
+    from tokenfleet.worker.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), flavour="qwen2", seed=0)
 
 
 @pytest.fixture(

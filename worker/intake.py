@@ -267,7 +267,7 @@ class Intake:
                 self.dead_letter(entry, "no durable record exists for this request", None)
                 self.finish_unstarted(
                     entry,
-                    req,
+                    req.request_id,
                     TerminalStatus.ERROR,
                     "no_record",
                     "the request has no durable record (its TTL lapsed, or it "
@@ -279,13 +279,17 @@ class Intake:
                 report.dead_lettered.append(entry.priority)
             elif code == "cancelled":
                 self.finish_unstarted(
-                    entry, req, TerminalStatus.CANCELLED, None, "cancelled before it started"
+                    entry,
+                    req.request_id,
+                    TerminalStatus.CANCELLED,
+                    None,
+                    "cancelled before it started",
                 )
                 report.cancelled.append(entry.priority)
             elif code == "expired":
                 self.finish_unstarted(
                     entry,
-                    req,
+                    req.request_id,
                     TerminalStatus.EXPIRED,
                     None,
                     f"its deadline {req.deadline} passed before a worker could start it",
@@ -294,7 +298,7 @@ class Intake:
             elif code == "poison":
                 self.finish_unstarted(
                     entry,
-                    req,
+                    req.request_id,
                     TerminalStatus.ERROR,
                     "worker_lost",
                     f"the request was taken by {as_str(values[1])} workers "
@@ -343,13 +347,13 @@ class Intake:
     def finish_unstarted(
         self,
         entry: Entry,
-        req: GenerationRequest,
+        request_id: str,
         status: TerminalStatus,
         code: str | None,
         message: str,
     ) -> None:
         """Finish a request this worker did not start (no ownership check)."""
-        event = TerminalEvent(req.request_id, status, code=code, message=message)
+        event = TerminalEvent(request_id, status, code=code, message=message)
         k, a = finish_keys_args(
             self.keys,
             event,
@@ -383,22 +387,13 @@ class Intake:
         if request_id is not None:
             owner_entry = as_str(self.client.hget(self.keys.record(request_id), "stream_id"))
             if owner_entry in (None, "", entry.entry_id):
-                event = TerminalEvent(
+                self.finish_unstarted(
+                    entry,
                     request_id,
                     TerminalStatus.ERROR,
-                    code="invalid_request",
-                    message=f"the request could not be decoded: {reason}",
+                    "invalid_request",
+                    f"the request could not be decoded: {reason}",
                 )
-                k, a = finish_keys_args(
-                    self.keys,
-                    event,
-                    model=self.model_name,
-                    priority=entry.priority,
-                    now=time.time(),
-                    ttl_s=self.settings.record_ttl_s,
-                    stream_id=entry.entry_id,
-                )
-                registry.call(self.client, FINISH, k, a)
                 return
         pipe = self.client.pipeline(transaction=True)
         pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)

@@ -15,11 +15,9 @@ from tokenfleet.worker.local_redis import RedisServer
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama (seed 0) the worker tests serve."""
-    from tokenfleet.worker.tiny_model import make_tiny_model
-
-    return make_tiny_model(tmp_path_factory.mktemp("worker-tiny-llama"), flavour="llama", seed=0)
+def tiny_model_dir(tiny_llama_dir: Path) -> Path:
+    """The tiny Llama (seed 0) the worker tests serve: the suite-wide one."""
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="session")
