@@ -92,7 +92,7 @@ class PoolGrant:
         total_blocks: the pool's total.
         free_blocks: blocks nobody holds after this call.
         active_members: members with running or waiting work.
-        token_budget: this member's share of the per-round token budget; None when the pool has
+        token_budget: this member's share of the pool's tokens per round; None when the pool has
             no compute share.
         preempt: an order to execute (None when there is none).
         filed_with: the donor this call filed a preemption against, else None.
@@ -232,7 +232,7 @@ class KVPoolMember:
 
     # -- membership ---------------------------------------------------------------------------
     def _join_args(self, create: PoolConfig | None) -> list[str]:
-        settings = create.args(self.pool) if create else ["0", "0", "0", "0", "0", "0", "0", "", ""]
+        settings = create.args(self.pool) if create else ["0"] * 7 + ["", "", "0"]
         return [self.member, str(self.weight_milli), *settings]
 
     def join(self, *, create: PoolConfig | None = None) -> dict[str, int]:
@@ -253,6 +253,7 @@ class KVPoolMember:
         info = {name: int(value) for name, value in zip(names, reply[1:], strict=False)}
         info["token_budget"] = int(reply[7])
         info["returned_blocks"] = int(reply[8])
+        info["round_ms"] = int(reply[9])
         return info
 
     def leave(self) -> int:
@@ -308,7 +309,7 @@ class KVPoolMember:
         Keyword arguments: ``active`` (running or waiting work), ``want_blocks``,
         ``release_blocks``, ``blocks_by_priority`` (blocks used by running requests per
         priority, most urgent first), ``ask`` (a :class:`PreemptAsk` for the most urgent waiting
-        request that cannot get blocks), ``token_demand`` (tokens wanted this round).
+        request that cannot get blocks), ``token_demand`` (tokens wanted per round).
         """
         reply = registry.call(self.client, POOL_STEP, self._keys, self.step_args(**kwargs))
         return self._parsed(reply)

@@ -3,7 +3,8 @@
 The worker service owns one :class:`PoolLink` per engine and calls it around each step::
 
     link.join()                       # start-up: limit 0 until the pool grants blocks
-    link.before_step()                # apply the last reply: execute a preemption order
+    link.before_step()                # apply the last reply: execute a preemption order;
+                                      # with a compute share, wait for this step's tokens
     outputs = engine.step()
     call = link.plan()                # what to ask, give back and report (reads the engine)
     call.queue(pipe)                  # into the step's publish pipeline (any thread)
@@ -15,6 +16,10 @@ Accounting. ``held`` is what the pool credits this member as of its last reply, 
 call in flight gives back; ``owed`` are blocks of it the engine may no longer use (a shrinking
 share, an executed preemption order) and that the next call gives back. The engine's limit is
 always ``held - owed``.
+
+Compute share (pools with a token budget): the link reports the tokens the engine wants per round,
+and before each step paces the engine to its share and caps the step's tokens
+(:class:`tokenfleet.worker.compute_share.ComputeShare`).
 
 Invariants:
     * at most one pool call is in flight (``plan`` refuses a second one);
@@ -35,6 +40,7 @@ from typing import Any, Protocol
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.shared.scripts.pool import POOL_STEP, PoolConfig, pool_keys
+from tokenfleet.worker.compute_share import ComputeShare
 from tokenfleet.worker.kv_pool import (
     KVPoolMember,
     PoolGrant,
@@ -58,6 +64,13 @@ class PoolEngine(Protocol):
     def num_blocks_wanted(self) -> int: ...
     @property
     def has_work(self) -> bool: ...
+    @property
+    def num_tokens_wanted(self) -> int: ...
+    @property
+    def last_step_stats(self) -> Any: ...
+    @property
+    def token_limit(self) -> int | None: ...
+    def set_token_limit(self, num_tokens: int | None) -> None: ...
     def set_kv_block_limit(self, num_blocks: int | None) -> None: ...
     def blocks_by_priority(self) -> list[int]: ...
     def kv_block_shortfall(self) -> tuple[Priority, int] | None: ...
@@ -89,7 +102,8 @@ class PoolLink:
 
     Keyword-only arguments: ``chunk`` (ask ahead in this many blocks; default the pool's),
     ``low_watermark`` / ``high_watermark`` (spare blocks kept, see ``plan_blocks``), ``clock``
-    (monotonic seconds, for the idle lease ticks).
+    (monotonic seconds, for the idle lease ticks and the compute share's pace), ``sleep``
+    (seconds; the compute share's waits).
     """
 
     def __init__(
@@ -101,6 +115,7 @@ class PoolLink:
         low_watermark: int | None = None,
         high_watermark: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
@@ -110,6 +125,9 @@ class PoolLink:
         self.low_watermark = low_watermark
         self.high_watermark = high_watermark
         self.clock = clock
+        self.sleep = sleep
+        self.compute: ComputeShare | None = None  # set at join when the pool has a token budget
+        self._charged_step = 0  # the engine's last step charged to the compute share
         self.lease_s = 5.0
         self.held = 0  # blocks the pool credits us, less what the call in flight gives back
         self.owed = 0  # blocks of `held` the engine may not use; given back by the next call
@@ -143,6 +161,14 @@ class PoolLink:
         self.last, self._order, self._in_flight = None, None, False
         self._last_call = self.clock()
         self.engine.set_kv_block_limit(0)
+        self.compute = None
+        if info["token_budget"] > 0:
+            self.compute = ComputeShare(
+                token_budget=info["token_budget"],
+                round_ms=info["round_ms"],
+                clock=self.clock,
+                sleep=self.sleep,
+            )
 
     def leave(self) -> int:
         """Leave the pool (shutdown); the engine may use no pool blocks after. Returns the
@@ -151,6 +177,8 @@ class PoolLink:
         self.held = self.owed = 0
         self._order, self._in_flight = None, False
         self.engine.set_kv_block_limit(0)
+        self.engine.set_token_limit(None)
+        self.compute = None
         return returned
 
     # -- the per-step protocol ----------------------------------------------------------------
@@ -161,7 +189,13 @@ class PoolLink:
 
     def before_step(self) -> None:
         """Before ``engine.step()``: execute a preemption order the last reply carried (free its
-        blocks now; they go back with the next call). Blocks already owed count toward it."""
+        blocks now; they go back with the next call; blocks already owed count toward it). With
+        a compute share, then wait until the share allows this step and cap its tokens."""
+        self._execute_order()
+        if self.compute is not None and self.engine.has_work:
+            self.engine.set_token_limit(self.compute.pace(self.engine.num_tokens_wanted))
+
+    def _execute_order(self) -> None:
         order, self._order = self._order, None
         if order is None:
             return
@@ -184,6 +218,14 @@ class PoolLink:
             raise RuntimeError("join the pool first")
         engine = self.engine
         active = engine.has_work
+        token_demand = 0
+        if self.compute is not None:
+            stats = engine.last_step_stats
+            if stats is not None and stats.step_index != self._charged_step:
+                self._charged_step = stats.step_index
+                self.compute.spent(stats.num_tokens)
+            if active:
+                token_demand = self.compute.demand(engine.num_tokens_wanted)
         used = engine.num_used_blocks
         if not active:
             self.owed = self.held  # idle: entitled to nothing, give everything back now
@@ -210,6 +252,7 @@ class PoolLink:
             "release_blocks": give_back + spare_release,
             "blocks_by_priority": engine.blocks_by_priority(),
             "ask": ask,
+            "token_demand": token_demand,
         }
         self.owed -= give_back
         self.held -= give_back + spare_release
@@ -235,6 +278,8 @@ class PoolLink:
         if g.preempt is not None:
             self._order = g.preempt
         self.engine.set_kv_block_limit(self.limit)
+        if self.compute is not None:
+            self.compute.set_share(g.token_budget, g.active_members)
         return g
 
     def abandon(self) -> None:
@@ -262,7 +307,7 @@ class PoolLink:
             return self.lease_s / 3
         due = self._last_call + self.lease_s / 3
         if self.owed or self._order is not None or self.clock() >= due:
-            self.before_step()
+            self._execute_order()
             self.step_now()
             due = self._last_call + self.lease_s / 3
         return max(0.0, due - self.clock())
@@ -280,5 +325,14 @@ class PoolLink:
             "entitlement": g.entitlement if g else 0,
             "loan": g.loan if g else 0,
             "pending_with": (g.pending_with or "") if g else "",
+            **(
+                {
+                    "token_share": self.compute.share,
+                    "token_limit": self.engine.token_limit or 0,
+                    "compute_wait_s": round(self.compute.waited_s, 3),
+                }
+                if self.compute is not None
+                else {}
+            ),
             **self.counters,
         }

@@ -3,7 +3,7 @@
 Data layout (names from :class:`tokenfleet.shared.keys.Keys`)::
 
     P:pool:NAME          hash: settings (total, block_size, cap_permille, chunk, lease_ms,
-                         preempt_ms, token_budget, clock, created_at) and counters
+                         preempt_ms, token_budget, round_ms, clock, created_at) and counters
                          (order_seq, reclaimed_blocks, lapsed_members; manual_now_ms for a
                          test clock)
     P:pool:NAME:members  hash: member -> JSON state {w, held, act, use, uw, td, loan, lp, inbox,
@@ -14,7 +14,7 @@ Data layout (names from :class:`tokenfleet.shared.keys.Keys`)::
 Member state: ``w`` weight in thousandths; ``held`` blocks granted and not yet released;
 ``act`` 1 while the member has running or waiting work; ``use`` blocks used by running work per
 priority level (most urgent first); ``uw`` blocks it asked for and was not granted at its last
-call; ``td`` token demand for this round; ``loan`` blocks received
+call; ``td`` tokens wanted per round (compute share); ``loan`` blocks received
 through cross-worker preemption that the member may keep above its entitlement while it runs work
 at least as urgent as priority ``lp``; ``inbox`` blocks credited by donors since the member's last
 call; ``exp`` lease expiry (epoch ms, Redis ``TIME``).
@@ -43,8 +43,9 @@ Rules, applied by every script in one atomic step:
   ties go to the member furthest above its entitlement, then by name. The donor's next reply
   carries the order once; whatever it releases while the order is pending is credited to the
   requester directly (reserved: no third member can take it) and becomes the requester's loan.
-* **Compute share** (pools with a ``token_budget``): the per-round budget is split by weight
-  among members with token demand, water-filled so nobody gets more than it asked for.
+* **Compute share** (pools with a ``token_budget``): the budget of tokens per ``round_ms`` is split
+  by weight among members with token demand, water-filled so nobody gets more than it asked
+  for. A member computes at most its share per round (``tokenfleet.worker.compute_share``).
 
 Invariant, under any interleaving: the sum of ``held`` over the members hash never exceeds
 ``total`` (grants are bounded by what is free; transfers move blocks; reclaim only lowers it).
@@ -65,15 +66,17 @@ from tokenfleet.shared.scripts.registry import LuaScript
 MAX_TOTAL_BLOCKS = 100_000_000
 MAX_MEMBERS = 256
 MAX_WEIGHT = 100.0
+DEFAULT_ROUND_MS = 100  # a compute share's period when the pool was created without one
 CLOCKS = ("redis", "manual")
 
 # Functions every pool script uses. Pasted after each script's KEYS/ARGV header.
-_PRELUDE = """
+_PRELUDE = (
+    """
 local POOL, MEMBERS, ORDERS = KEYS[1], KEYS[2], KEYS[3]
 -- The pool's name for messages: the last segment of its key (names hold no ':').
 local LABEL = string.match(POOL, '([^:]+)$') or POOL
 local NUMERIC = {'total', 'block_size', 'cap_permille', 'chunk', 'lease_ms', 'preempt_ms',
-                 'token_budget', 'manual_now_ms', 'created_at', 'order_seq',
+                 'token_budget', 'round_ms', 'manual_now_ms', 'created_at', 'order_seq',
                  'reclaimed_blocks', 'lapsed_members'}
 
 local function load_cfg()
@@ -82,6 +85,9 @@ local function load_cfg()
   local cfg = {}
   for i = 1, #flat, 2 do cfg[flat[i]] = flat[i + 1] end
   for _, k in ipairs(NUMERIC) do cfg[k] = tonumber(cfg[k]) or 0 end
+  if cfg.round_ms <= 0 then cfg.round_ms = """
+    + str(DEFAULT_ROUND_MS)
+    + """ end
   cfg.cap = math.max(1, math.floor(cfg.total * cfg.cap_permille / 1000))
   return cfg
 end
@@ -230,7 +236,7 @@ end
 
 local function save(name, s) redis.call('HSET', MEMBERS, name, cjson.encode(s)) end
 
--- Create the pool from ARGV[first..first+7] unless it exists; returns (cfg, created) or an
+-- Create the pool from ARGV[first..first+9] unless it exists; returns (cfg, created) or an
 -- error reply as the first value's 'err' field.
 local function ensure_pool(first)
   local total, block_size = tonumber(ARGV[first]), tonumber(ARGV[first + 1])
@@ -250,6 +256,7 @@ local function ensure_pool(first)
              'cap_permille', ARGV[first + 2], 'chunk', ARGV[first + 3],
              'lease_ms', ARGV[first + 4], 'preempt_ms', ARGV[first + 5],
              'token_budget', ARGV[first + 6], 'clock', ARGV[first + 7],
+             'round_ms', ARGV[first + 9],
              'manual_now_ms', 0, 'order_seq', 0, 'reclaimed_blocks', 0, 'lapsed_members', 0)
   cfg = load_cfg()
   local now = now_ms(cfg)
@@ -259,6 +266,7 @@ local function ensure_pool(first)
   return cfg, 1
 end
 """
+)
 
 
 def _script(name: str, header: str, body: str, ok_codes: frozenset[str] | None = None) -> LuaScript:
@@ -280,7 +288,7 @@ POOL_CREATE = _script(
 -- ARGV[1] = total blocks   ARGV[2] = block size (tokens)   ARGV[3] = cap (permille of total)
 -- ARGV[4] = chunk (blocks) ARGV[5] = lease ms   ARGV[6] = preemption order timeout ms
 -- ARGV[7] = token budget per round (0: no compute share)   ARGV[8] = clock: redis | manual
--- ARGV[9] = pool name (for the set of pools)
+-- ARGV[9] = pool name (for the set of pools)   ARGV[10] = round ms (the token budget's period)
 -- Returns {"ok", created (1|0), total, block_size}; {"pool", message} if it exists with another
 -- total or block size.
 """,
@@ -296,11 +304,11 @@ POOL_JOIN = _script(
     _POOL_KEYS_HEADER
     + """-- KEYS[4] = set of pool names
 -- ARGV[1] = member name    ARGV[2] = weight (thousandths)
--- ARGV[3..11] = pool settings as for pool_create ARGV[1..9]; ARGV[3] = 0 joins an existing pool
+-- ARGV[3..12] = pool settings as for pool_create ARGV[1..10]; ARGV[3] = 0 joins an existing pool
 -- A (re)join starts the member afresh: blocks a previous incarnation held return to the pool and
 -- orders naming it are dropped.
 -- Returns {"ok", created (1|0), total, block_size, cap, chunk, lease_ms, token_budget,
---          returned blocks}; {"pool", message} when the pool is missing or differs.
+--          returned blocks, round_ms}; {"pool", message} when the pool is missing or differs.
 """,
     """
 local cfg, created = ensure_pool(3)
@@ -322,7 +330,7 @@ for donor, o in pairs(orders) do
 end
 save(me, new_member(tonumber(ARGV[2]), now, cfg.lease_ms))
 return {'ok', created, cfg.total, cfg.block_size, cfg.cap, cfg.chunk, cfg.lease_ms,
-        cfg.token_budget, returned}
+        cfg.token_budget, returned, cfg.round_ms}
 """,
 )
 
@@ -334,7 +342,7 @@ POOL_STEP = _script(
 -- ARGV[4] = want: blocks to acquire now          ARGV[5] = release: blocks given back now
 -- ARGV[6] = ask priority ('' for none): a waiting request of this priority cannot get blocks
 -- ARGV[7] = ask blocks: how many more blocks that request needs (0: no ask)
--- ARGV[8] = token demand for this round (0: none)
+-- ARGV[8] = token demand: tokens wanted per round (0: none)
 -- ARGV[9..] = blocks used by running work per priority level, most urgent first
 -- The call is also the member's heartbeat; an unknown (lapsed) member is re-registered with
 -- nothing held.
@@ -543,7 +551,8 @@ for donor, o in pairs(orders) do
 end
 local view = {total = cfg.total, block_size = cfg.block_size, cap_permille = cfg.cap_permille,
   cap = cfg.cap, chunk = cfg.chunk, lease_ms = cfg.lease_ms, preempt_ms = cfg.preempt_ms,
-  token_budget = cfg.token_budget, clock = cfg.clock, created_at = cfg.created_at,
+  token_budget = cfg.token_budget, round_ms = cfg.round_ms, clock = cfg.clock,
+  created_at = cfg.created_at,
   now_ms = now, held = sum_held(m, live), active_members = n_active,
   reclaimed_blocks = cfg.reclaimed_blocks, lapsed_members = cfg.lapsed_members,
   members = members, preemptions = pending}
@@ -580,7 +589,10 @@ class PoolConfig:
         chunk_blocks: the step in which members ask ahead and the fairness tolerance.
         lease_ms: a member's holding lapses this long after its last call.
         preempt_ms: a preemption order lapses if the donor has not released within this time.
-        token_budget: per-round token budget split between members (0: no compute share).
+        token_budget: tokens per round split between members by weight (0: no compute share):
+            what the shared device computes in ``round_ms``.
+        round_ms: the compute share's period: a member computes at most its share of
+            ``token_budget`` per ``round_ms`` of wall time.
         clock: ``redis`` (server ``TIME``) or ``manual`` (advanced only by
             :data:`POOL_ADVANCE_CLOCK`; for deterministic tests and simulations).
     """
@@ -593,6 +605,7 @@ class PoolConfig:
     preempt_ms: int = 2_000
     token_budget: int = 0
     clock: str = "redis"
+    round_ms: int = DEFAULT_ROUND_MS
 
     def __post_init__(self) -> None:
         _check_int("total_blocks", self.total_blocks, 1, MAX_TOTAL_BLOCKS)
@@ -602,11 +615,12 @@ class PoolConfig:
         _check_int("lease_ms", self.lease_ms, 1, 86_400_000)
         _check_int("preempt_ms", self.preempt_ms, 1, 86_400_000)
         _check_int("token_budget", self.token_budget, 0, 1 << 30)
+        _check_int("round_ms", self.round_ms, 1, 60_000)
         if self.clock not in CLOCKS:
             raise InvalidRequest(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
 
     def args(self, name: str) -> list[str]:
-        """The nine settings arguments of :data:`POOL_CREATE` (``ARGV[1..9]``)."""
+        """The ten settings arguments of :data:`POOL_CREATE` (``ARGV[1..10]``)."""
         return [
             str(self.total_blocks),
             str(self.block_size),
@@ -617,6 +631,7 @@ class PoolConfig:
             str(self.token_budget),
             self.clock,
             name,
+            str(self.round_ms),
         ]
 
 

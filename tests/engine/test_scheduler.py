@@ -110,6 +110,30 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
     assert sched.running[0].num_output_tokens == 1
 
 
+def test_a_token_limit_caps_each_step_and_decodes_the_most_urgent_first() -> None:
+    """A pool's compute share lowers the per-step budget; work still progresses (at least 1)."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    sched.add(make_request("batch", 6, priority=Priority.BATCH))
+    sched.add(make_request("critical", 6, priority=Priority.CRITICAL))
+    assert sched.num_tokens_wanted() == 12
+    step(sched)
+    assert sched.num_tokens_wanted() == 2  # one decode token each
+    sched.add(make_request("long", 100, priority=Priority.NORMAL))
+    assert sched.num_tokens_wanted() == 64  # 2 + 100, at most the step's budget
+    sched.token_limit = 1
+    assert sched.num_tokens_wanted() == 64  # what it would compute without the cap
+    out = step(sched)
+    assert scheduled_ids(out) == ["critical"] and out.batch.num_tokens == 1
+    sched.token_limit = 10
+    out = step(sched)
+    assert scheduled_ids(out) == ["critical", "batch", "long"]
+    assert [len(s.token_ids) for s in out.batch.seqs] == [1, 1, 8]
+    sched.token_limit = 0  # a cap below one still computes one token
+    assert step(sched).batch.num_tokens == 1
+    sched.token_limit = None
+    assert step(sched).batch.num_tokens == 64
+
+
 def test_max_num_seqs_limits_running_requests() -> None:
     sched = make_scheduler(max_num_seqs=2, max_num_batched_tokens=64)
     for rid in "abc":

@@ -88,3 +88,22 @@ def test_status_shows_pools(url: str, capsys: pytest.CaptureFixture[str]) -> Non
     assert "KV pools: 1" in text and "gpu0" in text and "w1" in text
     member.leave()
     r.close()
+
+
+def test_create_with_a_compute_share_and_show_it(
+    url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["pool", "create", "gpu0", "--blocks", "64", "--token-budget", "900", "--round-ms", "50"]
+    assert main(args) == 0
+    r = redis.Redis.from_url(url)
+    a = KVPoolMember(client=r, keys=PREFIX, pool="gpu0", member="w-a", weight=2)
+    assert a.join()["round_ms"] == 50
+    a.step(active=True, token_demand=2000)
+    r.close()
+    capsys.readouterr()
+    assert main(["pool", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "900 tokens per 50 ms round" in out
+    assert "tokens want/share" in out and "2000/900" in out
+    assert main(["pool", "create", "gpu1", "--blocks", "64", "--round-ms", "0"]) == 1
+    assert "round_ms must be an integer in [1, 60000]" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 import torch
+from fake_engine import FakeEngine
 
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
@@ -176,32 +177,6 @@ def test_critical_requests_get_blocks_from_a_flooded_member(
         got = a.tokens[rid] if rid in batch else b.tokens[rid]
         assert got == want, rid
     assert pool_snapshot(r, keys, "p")["held"] == 0
-
-
-class FakeEngine:
-    """Just the PoolEngine surface, with settable answers."""
-
-    def __init__(self) -> None:
-        self.num_kv_blocks = 100
-        self.num_used_blocks = 0
-        self.num_blocks_wanted = 0
-        self.has_work = False
-        self.limit: int | None = None
-        self.shortfall: tuple[Priority, int] | None = None
-        self.orders: list[tuple[int, Priority]] = []
-
-    def set_kv_block_limit(self, num_blocks: int | None) -> None:
-        self.limit = num_blocks
-
-    def blocks_by_priority(self) -> list[int]:
-        return [0, 0, self.num_used_blocks]
-
-    def kv_block_shortfall(self) -> tuple[Priority, int] | None:
-        return self.shortfall
-
-    def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
-        self.orders.append((num_blocks, priority))
-        return num_blocks
 
 
 class Clock:

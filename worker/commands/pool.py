@@ -18,7 +18,7 @@ import orjson
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import PRIORITIES
-from tokenfleet.shared.scripts.pool import PoolConfig
+from tokenfleet.shared.scripts.pool import DEFAULT_ROUND_MS, PoolConfig
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.kv_pool import create_pool, pool_names, pool_snapshot
 
@@ -66,7 +66,15 @@ def register(subparsers: Any) -> None:
         "--token-budget",
         type=int,
         default=0,
-        help="per-round token budget split between co-located members (0: off)",
+        help="tokens the shared device computes per round, split between co-located members "
+        "by weight (compute share; 0: off)",
+    )
+    c.add_argument(
+        "--round-ms",
+        type=int,
+        default=DEFAULT_ROUND_MS,
+        help="the compute share's round: each member computes at most its share of "
+        "--token-budget per this many milliseconds",
     )
     c.add_argument("--redis-url", help="Redis URL (REDIS_URL)")
     c.set_defaults(func=create_func)
@@ -95,6 +103,7 @@ def create_func(args: argparse.Namespace) -> int:
         lease_ms=args.lease_ms,
         preempt_ms=args.preempt_ms,
         token_budget=args.token_budget,
+        round_ms=args.round_ms,
     )
     client, keys = _connect(args)
     try:
@@ -132,13 +141,26 @@ def show_func(args: argparse.Namespace) -> int:
 
 def format_pool(view: dict[str, Any]) -> str:
     """A pool snapshot as a few lines of text (shared with ``tokenfleet status``)."""
-    budget = f", {view['token_budget']} tokens/round" if view["token_budget"] else ""
+    budget = ""
+    if view["token_budget"]:
+        budget = f", {view['token_budget']} tokens per {view['round_ms']} ms round"
     lines = [
         f"pool {view['name']}: {view['held']}/{view['total']} blocks held "
         f"({view['block_size']} tokens each), cap {view['cap']}, chunk {view['chunk']}, "
         f"{view['active_members']} active{budget}"
     ]
-    header = ("member", "weight", "held", "entitled", "active", "loan", "used c/n/b", "lease ms")
+    header: tuple[str, ...] = (
+        "member",
+        "weight",
+        "held",
+        "entitled",
+        "active",
+        "loan",
+        "used c/n/b",
+        "lease ms",
+    )
+    if view["token_budget"]:
+        header += ("tokens want/share",)
     rows = [header]
     for m in view["members"]:
         use = list(m["blocks_by_priority"]) + [0] * (len(PRIORITIES) - len(m["blocks_by_priority"]))
@@ -153,6 +175,7 @@ def format_pool(view: dict[str, Any]) -> str:
                 "/".join(str(u) for u in use),
                 str(m["lease_left_ms"]),
             )
+            + ((f"{m['token_demand']}/{m['token_budget']}",) if view["token_budget"] else ())
         )
     if len(rows) == 1:
         lines.append("  (no members)")

@@ -286,6 +286,23 @@ class Engine:
         request's blocks (when a sequence slot is free)."""
         return self.scheduler.num_blocks_wanted()
 
+    def set_token_limit(self, num_tokens: int | None) -> None:
+        """Compute at most ``num_tokens`` tokens per step (at least 1; None: only
+        ``max_num_batched_tokens``): a pool's compute share. Decode goes most urgent first."""
+        if num_tokens is not None and num_tokens < 1:
+            raise ValueError(f"token limit must be >= 1 or None, got {num_tokens}")
+        self.scheduler.token_limit = num_tokens
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.scheduler.token_limit
+
+    @property
+    def num_tokens_wanted(self) -> int:
+        """Tokens the next step would compute without a token limit (at most
+        ``max_num_batched_tokens``)."""
+        return self.scheduler.num_tokens_wanted()
+
     def blocks_by_priority(self) -> list[int]:
         """Blocks in use by running requests per priority, most urgent first (shared blocks
         count once, for the most urgent user)."""

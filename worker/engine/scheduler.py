@@ -21,7 +21,9 @@ Shared KV pool (issue 6): the block manager's ``block_limit`` is the member's gr
 growth stay within it; when it was lowered below the blocks in use, the next ``schedule`` first
 preempts the least urgent running requests until within. ``preempt_for_pool`` executes a pool's
 preemption order between steps; ``num_blocks_wanted``, ``blocks_by_priority`` and
-``kv_block_shortfall`` are what the pool's per-step call reports.
+``kv_block_shortfall`` are what the pool's per-step call reports. With a compute share, the
+pool also caps the tokens of each step (``token_limit``, at least 1 so work always progresses);
+``num_tokens_wanted`` is what the step would compute without that cap.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.step_index = 0  # number of schedule() calls so far
         self._num_pool_preemptions = 0  # by preempt_for_pool since the last schedule()
+        self.token_limit: int | None = None  # a compute share's per-step cap (None: none)
 
     # ------------------------------------------------------------------------------- queues
 
@@ -166,6 +169,8 @@ class Scheduler:
         while self.block_manager.over_limit and self.running:
             self._preempt(self.running[-1], out)
         budget = self.config.max_num_batched_tokens
+        if self.token_limit is not None:
+            budget = max(1, min(budget, self.token_limit))
 
         # 1. decode: one token each for running requests one token behind; preempt to make room
         i = 0
@@ -347,6 +352,15 @@ class Scheduler:
         if head is not None:
             num += bm.num_blocks_to_take(head.num_tokens, head.block_hashes)
         return num
+
+    def num_tokens_wanted(self) -> int:
+        """Tokens the next step would compute with no compute-share cap: every running request's
+        uncomputed tokens plus the waiting requests' (as many as free sequence slots), at most
+        ``max_num_batched_tokens``. An estimate: admission may still be refused for blocks."""
+        num = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+        slots = max(0, self.config.max_num_seqs - len(self.running))
+        num += sum(r.num_tokens for r in self.waiting[:slots])
+        return min(num, self.config.max_num_batched_tokens)
 
     def blocks_by_priority(self) -> list[int]:
         """Blocks in use by running requests per priority, most urgent first. A block shared by
