@@ -14,7 +14,7 @@ measured window. Runs, side by side in one invocation:
 3. ``share``: the same two in a pool with that token budget: each paces to its share.
 
 Reported: each member's tokens/s, the heavy ÷ light ratio (the weights say 3), and the pair's
-total ÷ the lone member's.
+total ÷ the unshared pair's (what pacing costs in throughput).
 
 Run: ``.venv/bin/python benchmarks/bench_compute_share.py`` (appends a section to
 ``benchmarks/RESULTS.md``; ``--no-write`` only prints).
@@ -225,15 +225,15 @@ def main() -> int:
         f"pool's budget is {budget} tokens per {a.round_ms} ms round"
         + (f" (x {a.budget_factor:g})." if a.budget_factor != 1.0 else "."),
         "",
-        "| run | light (w=1) tokens/s | heavy (w=3) tokens/s | heavy ÷ light (goal 3) "
-        "| pair ÷ alone |",
+        "| run | light (w=1) tokens/s | heavy (w=3) tokens/s | heavy ÷ light (weights: 3) "
+        "| pair ÷ unshared pair |",
         "|---|---|---|---|---|",
     ]
     for label, res in (("no share", unshared), ("share", shared)):
         light, heavy = res["light"][0], res["heavy"][0]
         lines.append(
             f"| {label} | {light:.0f} | {heavy:.0f} | {heavy / max(light, 1e-9):.2f} "
-            f"| {(light + heavy) / rate:.2f} |"
+            f"| {(light + heavy) / pair_rate:.2f} |"
         )
     lines += [
         "",
