@@ -192,3 +192,57 @@ def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
     # graceful stop: both leave the pool, their blocks go back
     assert a.stop() == 0 and b.stop() == 0
     assert pool_snapshot(r, keys, "p")["members"] == []
+
+
+@pytest.mark.slow
+def test_a_worker_paces_itself_to_its_compute_share(
+    tiny_llama_dir: Path, redis_url: str, r: redis.Redis, tmp_path: Path
+) -> None:
+    """A real worker in a pool with a token budget far below what it could compute: it waits
+    for its share (the heartbeat shows the wait), never computes faster than the budget allows,
+    and its results are an unpaced engine's."""
+    from tokenfleet.producer import Client
+
+    keys = Keys(PREFIX)
+    budget, round_s = 40, 0.1  # 400 tokens/s: the tiny model alone does thousands
+    config = PoolConfig(
+        total_blocks=64, block_size=4, chunk_blocks=8, token_budget=budget, round_ms=100
+    )
+    create_pool(r, keys, "p", config)
+    worker = Worker(tiny_llama_dir, redis_url, "wc", tmp_path)
+    try:
+        wait_for(lambda: worker.alive() and r.exists(keys.worker("wc")), "the worker")
+        settings = Settings(redis_url=redis_url, key_prefix=PREFIX)
+        prompts = {f"paced-{i}": f"{i} paced request for the shared device" for i in range(4)}
+        with Client.from_url(redis_url, settings=settings) as client:
+            handles = {
+                rid: client.submit(p, request_id=rid, max_tokens=60, temperature=0.0)
+                for rid, p in prompts.items()
+            }
+            results = {rid: h.result(timeout=DEADLINE_S) for rid, h in handles.items()}
+        records = [record(r, rid) for rid in prompts]
+        assert all(rec is not None and rec.status.value == "done" for rec in records)
+        started = min(rec.started_at or 0.0 for rec in records if rec)
+        finished = max(rec.finished_at or 0.0 for rec in records if rec)
+        computed = sum(len(res.token_ids) for res in results.values())  # at least these
+        # the bucket: one round's share at start, then the share per round
+        assert computed <= budget * ((finished - started) / round_s + 1) + budget
+        wait_for(
+            lambda: float(r.hget(keys.worker("wc"), "pool_compute_wait_s") or 0) > 0,
+            "the heartbeat to show time spent waiting for the share",
+        )
+        assert int(r.hget(keys.worker("wc"), "pool_token_share") or 0) in (0, budget)
+        assert worker.alive()
+    finally:
+        assert worker.stop() == 0
+
+    import torch
+
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.engine.request import SamplingParams
+
+    torch.set_num_threads(1)
+    ref = Engine(tiny_llama_dir, device="cpu", block_size=4, num_kv_blocks=64)
+    for rid, res in results.items():
+        want = ref.generate([prompts[rid]], SamplingParams(temperature=0, max_tokens=60))
+        assert res.token_ids == want[0].token_ids, rid
