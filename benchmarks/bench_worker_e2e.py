@@ -16,9 +16,13 @@ The first workload is the engine benchmark's default (64 requests at 20/s, promp
 max_tokens 8-256).
 
 Throughput = output tokens / (last terminal event - workload start). TTFT = first token seen by
-the client (fleet) or sampled (engine) - scheduled arrival. Run::
+the client (fleet) or sampled (engine) - scheduled arrival. ``--rounds N`` repeats the light pair
+(engine, fleet-1) N times, alternating which side goes first, and reports each round and the
+medians: on a shared machine the load drifts between two sides measured one after the other, and
+a pair measured close together is the fairer comparison. Run::
 
-    .venv/bin/python benchmarks/bench_worker_e2e.py            # about 2 minutes on 2 CPU cores
+    .venv/bin/python benchmarks/bench_worker_e2e.py            # about 1 minute on 2 CPU cores
+    .venv/bin/python benchmarks/bench_worker_e2e.py --rounds 5 --no-heavy
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import threading
 import time
@@ -73,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heavy-rate", type=float, default=200.0, help="arrivals/s, heavy workload")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="light (engine, fleet-1) pairs, alternating order"
+    )
+    p.add_argument("--no-heavy", action="store_true", help="skip the fleet-1/fleet-2 heavy sides")
     p.add_argument(
         "--redis-url",
         default=None,
@@ -208,13 +217,13 @@ def run_fleet(
                 enq, st, ft = (
                     float(rec[k]) for k in ("enqueued_at", "started_at", "first_token_at")
                 )
-                for name, value in (
+                for phase, value in (
                     ("submit", enq - (start + r.arrival_s)),
                     ("queue", st - enq),
                     ("first token", ft - st),
                     ("delivery", listener.first[rid] - ft),
                 ):
-                    side.phases.setdefault(name, []).append(value)
+                    side.phases.setdefault(phase, []).append(value)
         rc.close()
         side.makespan_s = max(listener.done.get(rid, time.time()) for rid in ids) - start
         missing = [rid for rid in ids if rid not in listener.done]
@@ -268,65 +277,89 @@ def main() -> int:
         f"{len(heavy.requests)} at {args.heavy_rate}/s ({heavy.num_output_tokens} tokens)",
         flush=True,
     )
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    pairs: list[tuple[Side, Side]] = []
+    one_heavy = two_heavy = None
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(RedisServer()).url
-        engine = run_engine(model, light, args)
-        print(f"  engine  done: {engine.throughput:.0f} tok/s", flush=True)
-        one = run_fleet("fleet-1", model, url, 1, light, args)
-        print(f"  fleet-1 done: {one.throughput:.0f} tok/s", flush=True)
-        if one.num_output_tokens != engine.num_output_tokens:
-            raise RuntimeError(
-                f"greedy outputs differ: fleet {one.num_output_tokens} tokens, "
-                f"engine {engine.num_output_tokens}"
+        for i in range(args.rounds):
+            if i % 2 == 0:
+                engine = run_engine(model, light, args)
+                one = run_fleet("fleet-1", model, url, 1, light, args)
+            else:
+                one = run_fleet("fleet-1", model, url, 1, light, args)
+                engine = run_engine(model, light, args)
+            print(
+                f"  round {i + 1}: engine {engine.throughput:.0f} tok/s, TTFT p50 "
+                f"{engine.ttft_p50_ms:.1f} ms; fleet-1 {one.throughput:.0f} tok/s, "
+                f"{one.ttft_p50_ms:.1f} ms",
+                flush=True,
             )
-        one_heavy = run_fleet("fleet-1 heavy", model, url, 1, heavy, args)
-        print(f"  fleet-1 heavy done: {one_heavy.throughput:.0f} tok/s", flush=True)
-        two_heavy = run_fleet("fleet-2 heavy", model, url, 2, heavy, args)
-        print(f"  fleet-2 heavy done: {two_heavy.throughput:.0f} tok/s", flush=True)
+            if one.num_output_tokens != engine.num_output_tokens:
+                raise RuntimeError(
+                    f"greedy outputs differ: fleet {one.num_output_tokens} tokens, "
+                    f"engine {engine.num_output_tokens}"
+                )
+            pairs.append((engine, one))
+        if not args.no_heavy:
+            one_heavy = run_fleet("fleet-1 heavy", model, url, 1, heavy, args)
+            print(f"  fleet-1 heavy done: {one_heavy.throughput:.0f} tok/s", flush=True)
+            two_heavy = run_fleet("fleet-2 heavy", model, url, 2, heavy, args)
+            print(f"  fleet-2 heavy done: {two_heavy.throughput:.0f} tok/s", flush=True)
     print()
     print(
         "| side | workload | output tokens | output tok/s | TTFT p50 ms | TTFT p90 ms | "
         "makespan s |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
-    for side, wl_name in (
-        (engine, "light"),
-        (one, "light"),
-        (one_heavy, "heavy"),
-        (two_heavy, "heavy"),
-    ):
+    rows: list[tuple[Side, str]] = [(side, "light") for pair in pairs for side in pair]
+    if one_heavy is not None and two_heavy is not None:
+        rows += [(one_heavy, "heavy"), (two_heavy, "heavy")]
+    for side, wl_name in rows:
         print(
             f"| {side.name} | {wl_name} | {side.num_output_tokens} | {side.throughput:.0f} | "
             f"{side.ttft_p50_ms:.1f} | "
             f"{side.ttft_p90_ms:.1f} | {side.makespan_s:.2f} |"
         )
     print()
+    phases: dict[str, list[float]] = {}
+    for _, one in pairs:
+        for phase, values in one.phases.items():
+            phases.setdefault(phase, []).extend(values)
     print(
         "fleet-1 (light) TTFT by phase, p50 ms: "
-        + ", ".join(
-            f"{name} {percentile(values, 50) * 1000:.2f}" for name, values in one.phases.items()
-        )
+        + ", ".join(f"{name} {percentile(vals, 50) * 1000:.2f}" for name, vals in phases.items())
     )
     print(
         "(submit: arrival -> record written by the producer; queue: -> worker's START; "
         "first token: -> its token appended; delivery: -> seen by the client)"
     )
     print()
+    ratios = [one.throughput / engine.throughput for engine, one in pairs]
+    overheads = [one.ttft_p50_ms - engine.ttft_p50_ms for engine, one in pairs]
+    rounds = len(pairs) > 1
     print("| ratio | value | goal |")
     print("|---|---:|---|")
+    print(f"| fleet-1 / engine throughput (light) | {_summary(ratios, '.3f', rounds)} | >= 0.95 |")
     print(
-        f"| fleet-1 / engine throughput (light) | {one.throughput / engine.throughput:.3f} "
-        f"| >= 0.95 |"
+        f"| fleet-1 - engine TTFT p50 (light) | {_summary(overheads, '+.1f', rounds)} ms "
+        f"| <= 2 ms |"
     )
-    print(
-        f"| fleet-1 - engine TTFT p50 (light) | "
-        f"{one.ttft_p50_ms - engine.ttft_p50_ms:+.1f} ms | <= 2 ms |"
-    )
-    print(
-        f"| fleet-2 / fleet-1 throughput (heavy) | "
-        f"{two_heavy.throughput / one_heavy.throughput:.3f} | report |"
-    )
+    if one_heavy is not None and two_heavy is not None:
+        print(
+            f"| fleet-2 / fleet-1 throughput (heavy) | "
+            f"{two_heavy.throughput / one_heavy.throughput:.3f} | report |"
+        )
     return 0
+
+
+def _summary(values: list[float], fmt: str, rounds: bool) -> str:
+    """One value, or the median with every round's value (in round order)."""
+    if not rounds:
+        return format(values[0], fmt)
+    each = " ".join(format(v, fmt) for v in values)
+    return f"median {format(statistics.median(values), fmt)} (rounds: {each})"
 
 
 if __name__ == "__main__":

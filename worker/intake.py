@@ -53,7 +53,13 @@ class Entry:
     stream: str
     priority: Priority
     entry_id: str
-    fields: dict[str, bytes]  # id, d, dl (raw; any may be missing in a malformed entry)
+    fields: dict[str, bytes]  # id, d, dl, h (raw; any may be missing in a malformed entry)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(stream, entry id): entry ids are unique per stream only, and the streams of two
+        priorities can hold the same id."""
+        return (self.stream, self.entry_id)
 
     @property
     def raw_id(self) -> str | None:
@@ -227,13 +233,35 @@ class Intake:
         return Entry(stream, self._by_stream[stream], as_str(entry_id) or "", raw)
 
     # -- starting -----------------------------------------------------------------------------
-    def start(self, entries: Iterable[Entry]) -> tuple[list[Job], StartReport]:
-        """Decode and start ``entries`` (see the module docstring for the invariant)."""
+    def early_jobs(self, entries: Iterable[Entry]) -> list[Job]:
+        """Jobs for the entries that may run before ``start`` has answered (see ``reader``).
+
+        Only new requests qualify: an entry that decodes and was not handed back (``h`` field),
+        so its request has no tokens to resume from. Their ``attempts`` is 0 (unknown yet).
+        Pure: nothing is read or written in Redis, nothing is dead-lettered here.
+        """
+        out: list[Job] = []
+        for entry in entries:
+            if entry.fields.get("h"):
+                continue
+            try:
+                out.append(Job(entry=entry, request=self.decode(entry), attempts=0))
+            except ProtocolError:
+                continue  # start() dead-letters it
+        return out
+
+    def start(
+        self, entries: Iterable[Entry], early: Sequence[Job] = ()
+    ) -> tuple[list[Job], StartReport]:
+        """Decode and start ``entries`` (see the module docstring for the invariant); the
+        ``early_jobs`` of these entries, if given, spare decoding them twice."""
         report = StartReport()
+        known = {job.entry.key: job.request for job in early}
         decoded: list[tuple[Entry, GenerationRequest]] = []
         for entry in entries:
             try:
-                decoded.append((entry, self.decode(entry)))
+                req = known.get(entry.key)
+                decoded.append((entry, req if req is not None else self.decode(entry)))
             except ProtocolError as exc:
                 self.dead_letter(entry, str(exc), exc.request_id)
                 report.dead_lettered.append(entry.priority)

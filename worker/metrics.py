@@ -38,8 +38,9 @@ THROUGHPUT_WINDOW_S = 10.0
 class WorkerMetrics:
     """The worker's metrics. ``observe_*`` methods are called from the service loop only.
 
-    Invariant: ``_window`` holds (time, tokens) of the last ``THROUGHPUT_WINDOW_S`` seconds, so
-    the throughput gauge is tokens in the window divided by its span.
+    Invariant: ``_window`` holds (time, tokens) of the last ``THROUGHPUT_WINDOW_S`` seconds and
+    ``_window_tokens`` their sum, so the throughput gauge is that sum divided by the window's
+    span (kept as a running sum: ``observe_step`` runs after every engine step, in the loop).
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
@@ -137,6 +138,14 @@ class WorkerMetrics:
             registry=r,
         )
         self._window: deque[tuple[float, int]] = deque()
+        self._window_tokens = 0
+        # the step gauges' children, looked up once (labels() takes a lock and hashes each time)
+        self._preemptions = self.preemptions.labels(model_name)
+        self._prefix_hits = self.prefix_hits.labels(model_name)
+        self._kv_usage = self.kv_usage.labels(model_name)
+        self._running = self.running.labels(model_name)
+        self._waiting = self.waiting.labels(model_name)
+        self._throughput = self.throughput.labels(model_name)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Start the HTTP endpoint (a daemon thread); returns the server object."""
@@ -146,22 +155,21 @@ class WorkerMetrics:
         self, now: float, num_tokens: int, stats: Any, capacity: Any, num_kv_blocks_total: int
     ) -> None:
         """After each step: gauges, preemptions, prefix hits, the throughput window."""
-        name = self.model_name
         if stats is not None:
-            self.preemptions.labels(name).inc(getattr(stats, "num_preemptions", 0))
-            self.prefix_hits.labels(name).inc(getattr(stats, "num_prefix_cache_hit_tokens", 0))
+            self._preemptions.inc(getattr(stats, "num_preemptions", 0))
+            self._prefix_hits.inc(getattr(stats, "num_prefix_cache_hit_tokens", 0))
             if num_kv_blocks_total > 0:
                 used = getattr(stats, "num_kv_blocks_used", 0)
-                self.kv_usage.labels(name).set(used / num_kv_blocks_total)
+                self._kv_usage.set(used / num_kv_blocks_total)
         if capacity is not None:
-            self.running.labels(name).set(capacity.num_running)
-            self.waiting.labels(name).set(capacity.num_waiting)
+            self._running.set(capacity.num_running)
+            self._waiting.set(capacity.num_waiting)
         self._window.append((now, num_tokens))
+        self._window_tokens += num_tokens
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._window.popleft()
+            self._window_tokens -= self._window.popleft()[1]
         span = now - self._window[0][0] if len(self._window) > 1 else 0.0
-        total = sum(n for _, n in self._window)
-        self.throughput.labels(name).set(total / span if span > 0 else 0.0)
+        self._throughput.set(self._window_tokens / span if span > 0 else 0.0)
 
     def observe_tokens(self, priority: Priority, n: int) -> None:
         self.generation_tokens.labels(self.model_name, priority.label).inc(n)

@@ -1,13 +1,20 @@
-"""Lua scripts in a pipeline with exactly one round trip.
+"""Lua scripts in a pipeline with exactly one round trip, sent now and read later if need be.
 
 redis-py's pipeline runs ``SCRIPT EXISTS`` (a round trip of its own) before every ``execute`` that
-contains a registered script. The worker publishes once per engine step, so it queues raw
-``EVALSHA`` commands instead and handles ``NOSCRIPT`` (a restarted or flushed server) itself:
-the scripts are loaded and only the commands that failed are run again. An ``EVALSHA`` that
-fails with ``NOSCRIPT`` did nothing, so running it again is safe.
+contains a registered script, and it always waits for the replies. The worker publishes once per
+engine step, so it queues raw ``EVALSHA`` commands instead, writes them on one connection taken
+from the client's pool (:meth:`ScriptPipeline.send`) and reads the replies whenever it wants them
+(:meth:`ScriptPipeline.receive`): the step loop sends a step's tokens the moment the step ends and
+reads the replies after the next step, when they have long arrived, with no thread in between.
+``NOSCRIPT`` (a restarted or flushed server) is handled here: the scripts are loaded and only the
+commands that failed are run again. An ``EVALSHA`` that fails with ``NOSCRIPT`` did nothing, so
+running it again is safe.
 
-Invariant: ``ScriptPipeline.execute`` returns one reply per queued command, in order, each
-checked with ``registry.check_reply`` for scripts; any other error is raised.
+Invariants: ``execute`` (= ``send`` then ``receive``) returns one reply per queued command, in
+order, each checked with ``registry.check_reply`` for scripts; any other error is raised. Between
+``send`` and ``receive`` the pipeline holds its connection, which nothing else uses; ``receive``
+gives it back to the pool (closed if the exchange failed half way, so that no reply is left on
+it for the next user).
 """
 
 from __future__ import annotations
@@ -37,18 +44,20 @@ class ScriptPipeline:
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
-        self.pipe = client.pipeline(transaction=False)
+        self._commands: list[tuple[KeyOrArg, ...]] = []
         self._calls: list[tuple[LuaScript, list[KeyOrArg], list[KeyOrArg]] | None] = []
+        self._conn: Any = None  # the connection the commands were sent on, until received
+        self._sent = False
 
     def script(self, script: LuaScript, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> None:
         """Queue ``script`` (its reply is checked and returned by :meth:`execute`)."""
         keys, args = list(keys), list(args)
-        self.pipe.execute_command("EVALSHA", sha_of(script), len(keys), *keys, *args)
+        self._commands.append(("EVALSHA", sha_of(script), len(keys), *keys, *args))
         self._calls.append((script, keys, args))
 
-    def command(self, name: str, *args: Any) -> None:
-        """Queue a plain command."""
-        self.pipe.execute_command(name, *args)
+    def command(self, name: str, *args: KeyOrArg) -> None:
+        """Queue a plain command (its reply is returned as Redis sent it)."""
+        self._commands.append((name, *args))
         self._calls.append(None)
 
     def __len__(self) -> int:
@@ -56,20 +65,55 @@ class ScriptPipeline:
 
     def execute(self) -> list[Any]:
         """Send everything, then return the replies (scripts' checked); see the module doc."""
-        if not self._calls:
+        self.send()
+        return self.receive()
+
+    def send(self) -> None:
+        """Write every queued command to Redis in one go, without waiting for the replies."""
+        if self._sent:
+            raise RuntimeError("this pipeline was already sent")
+        self._sent = True
+        if not self._commands:
+            return
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands(self._commands))
+        except BaseException:
+            conn.disconnect()  # a partial write leaves the protocol state unknown
+            pool.release(conn)
+            raise
+        self._conn = conn
+
+    def receive(self) -> list[Any]:
+        """The replies of what :meth:`send` wrote, in order (waits for them if need be)."""
+        if not self._sent:
+            raise RuntimeError("receive() before send()")
+        conn, self._conn = self._conn, None
+        if conn is None:
             return []
-        replies = self.pipe.execute(raise_on_error=False)
+        replies: list[Any] = []
+        try:
+            for _ in self._commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # an error reply: the stream stays in sync
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never hand this socket out again
+            raise
+        finally:
+            self.client.connection_pool.release(conn)
         retry = [
             i
             for i, reply in enumerate(replies)
             if isinstance(reply, redis.exceptions.NoScriptError)
             or (isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT"))
         ]
-        if retry:
-            for i in retry:
-                call = self._calls[i]
-                if call is not None:
-                    replies[i] = registry.call(self.client, call[0], call[1], call[2])
+        for i in retry:
+            call = self._calls[i]
+            if call is not None:
+                replies[i] = registry.call(self.client, call[0], call[1], call[2])
         out = []
         for i, (reply, call) in enumerate(zip(replies, self._calls, strict=True)):
             if isinstance(reply, Exception):

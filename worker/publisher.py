@@ -6,6 +6,11 @@ then updates ``num_tokens``. For each finished request, ``FINISH`` writes the fi
 publishes the terminal event and acks+deletes its entry, atomically. Both carry this worker's
 name: a request another worker has taken over is reported ``lost`` and nothing is written for it.
 The same pipeline asks ``SMISMEMBER`` which running requests have a cancellation pending.
+
+``send`` writes the round trip and returns at once (a :class:`PendingPublish`); its ``result()``
+reads the replies later. The service's loop sends a step's publish the moment the step ends, on
+its own thread (no hand-off to another thread: clients get the tokens as soon as Redis runs the
+pipeline), and reads the replies after the next step, by when they have arrived.
 """
 
 from __future__ import annotations
@@ -45,6 +50,64 @@ class StepResult:
     pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
 
 
+class PendingPublish:
+    """A publish written to Redis whose replies have not been read yet.
+
+    Invariant: ``result()`` reads the replies once and applies them to the jobs
+    (``num_published``, ``text_parts``); later calls return the same :class:`StepResult` (or
+    raise ``RuntimeError`` if reading them failed).
+    """
+
+    def __init__(
+        self,
+        pipe: ScriptPipeline | None,
+        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        finishes: Sequence[Finish],
+        check_cancel: Sequence[str],
+        with_pool: bool,
+    ) -> None:
+        self._pipe = pipe
+        self._tokens = tokens
+        self._finishes = finishes
+        self._check_cancel = check_cancel
+        self._with_pool = with_pool
+        self._result: StepResult | None = None if pipe is not None else StepResult()
+
+    def result(self) -> StepResult:
+        """Read the replies (waiting for them if need be) and say what took effect."""
+        if self._result is None:
+            pipe, self._pipe = self._pipe, None
+            if pipe is None:
+                raise RuntimeError("this publish failed before its replies were read")
+            self._result = self._read(pipe.receive())
+        return self._result
+
+    def _read(self, replies: list[Any]) -> StepResult:
+        result = StepResult(pool_reply=replies[-1] if self._with_pool else None)
+        i = 0
+        for job, events in self._tokens:
+            code = replies[i][0]
+            i += 1
+            if code == "ok":
+                job.num_published = events[-1].index + 1
+                job.text_parts.extend(e.text for e in events)
+            else:
+                result.lost.add(job.request_id)
+        for fin in self._finishes:
+            code = replies[i][0]
+            i += 1
+            if code != "lost" and fin.job.request_id not in result.lost:
+                result.finished.append(fin)
+            else:
+                result.lost.add(fin.job.request_id)
+        if self._check_cancel:
+            flags = replies[i]
+            result.cancel_requested = [
+                rid for rid, flag in zip(self._check_cancel, flags, strict=True) if flag
+            ]
+        return result
+
+
 class Publisher:
     """Builds and runs the per-step pipeline for one worker. Holds no request state."""
 
@@ -64,15 +127,25 @@ class Publisher:
         check_cancel: Sequence[str] = (),
         pool_call: PoolCall | None = None,
     ) -> StepResult:
-        """One pipelined round trip: tokens, then finishes, then the cancel check.
+        """:meth:`send`, then wait for its result."""
+        return self.send(tokens, finishes, check_cancel, pool_call).result()
+
+    def send(
+        self,
+        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        finishes: Sequence[Finish],
+        check_cancel: Sequence[str] = (),
+        pool_call: PoolCall | None = None,
+    ) -> PendingPublish:
+        """Write one pipelined round trip: tokens, then finishes, then the cancel check.
 
         ``tokens`` pairs a job with its new events, whose indices are consecutive (the script
-        refuses them unless the list ends where they start); on success ``num_published`` and
-        ``text_parts`` advance. Not thread-safe per job: the service runs every publish of a
-        job on one thread, in step order.
+        refuses them unless the list ends where they start); once the result is read,
+        ``num_published`` and ``text_parts`` advance. A job's publishes must be sent and read
+        in step order, one at a time: a finish carries the job's text as of the previous result.
         """
         if not tokens and not finishes and not check_cancel and pool_call is None:
-            return StepResult()
+            return PendingPublish(None, (), (), (), False)
         now = time.time()
         ttl = self.settings.record_ttl_s
         pipe = ScriptPipeline(self.client)
@@ -106,30 +179,8 @@ class Publisher:
             pipe.command("SMISMEMBER", self.keys.cancel_set, *check_cancel)
         if pool_call is not None:
             pool_call.queue(pipe)  # last: its reply is replies[-1]
-        replies = pipe.execute()
-        result = StepResult(pool_reply=replies[-1] if pool_call is not None else None)
-        i = 0
-        for job, events in tokens:
-            code = replies[i][0]
-            i += 1
-            if code == "ok":
-                job.num_published = events[-1].index + 1
-                job.text_parts.extend(e.text for e in events)
-            else:
-                result.lost.add(job.request_id)
-        for fin in finishes:
-            code = replies[i][0]
-            i += 1
-            if code != "lost" and fin.job.request_id not in result.lost:
-                result.finished.append(fin)
-            else:
-                result.lost.add(fin.job.request_id)
-        if check_cancel:
-            flags = replies[i]
-            result.cancel_requested = [
-                rid for rid, flag in zip(check_cancel, flags, strict=True) if flag
-            ]
-        return result
+        pipe.send()
+        return PendingPublish(pipe, tokens, finishes, check_cancel, pool_call is not None)
 
 
 def _pending_text(tokens: Sequence[tuple[Job, Sequence[TokenEvent]]], job: Job) -> str:

@@ -8,6 +8,12 @@ added, with no round trip on the loop's side and no polling. Read entries are st
 (``Intake.start``) and handed to the loop as :class:`Job` objects, which it adds to the engine
 before its next step.
 
+Early start: a new request (not handed back, so nothing to resume) is handed over *before* its
+``START`` round trip, as an ``early`` job, and ``resolved`` once ``START`` has answered (as a
+job if it answered ok). The loop may put an early job into its engine at once but publishes
+nothing for it until it is resolved, and takes it out again if it did not become a job; a
+request thus joins the step that begins while its ``START`` is on the wire instead of the next.
+
 Invariant (under ``_lock``): ``_allowance + _reading + len(_ready)`` never exceeds the last
 budget the loop granted, except that one blocking wait reads up to one entry per stream even
 when the allowance is smaller (every entry read is started and handed over: none is left
@@ -29,8 +35,13 @@ log = logging.getLogger(__name__)
 class Delivery:
     """What the reader hands over: started jobs and the outcomes of entries that did not run."""
 
-    jobs: list[Job] = field(default_factory=list)
+    jobs: list[Job] = field(default_factory=list)  # START answered ok: the loop owns them
     reports: list[StartReport] = field(default_factory=list)
+    early: list[Job] = field(default_factory=list)  # decoded, START on the wire (module doc)
+    resolved: list[str] = field(default_factory=list)  # ids of early jobs whose START answered
+
+    def __bool__(self) -> bool:
+        return bool(self.jobs or self.reports or self.early or self.resolved)
 
 
 class IntakeReader:
@@ -61,6 +72,11 @@ class IntakeReader:
             if self._allowance:
                 self._lock.notify_all()
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (started, not stopped, not failed)."""
+        return self._thread.is_alive()
+
     def pending(self) -> int:
         """Jobs started and not yet taken (they will need engine room). A read in progress is
         not counted: it is usually a blocking wait for entries that may never come, and claims
@@ -71,7 +87,7 @@ class IntakeReader:
     def take(self, timeout_s: float = 0.0) -> Delivery:
         """What the reader has started since the last call; waits up to ``timeout_s`` for some."""
         with self._lock:
-            if not self._ready.jobs and not self._ready.reports and timeout_s > 0:
+            if not self._ready and timeout_s > 0:
                 self._lock.wait(timeout_s)
             out, self._ready = self._ready, Delivery()
             if self.error is not None:
@@ -106,7 +122,12 @@ class IntakeReader:
                     # one entry per stream, so it can exceed a small allowance by a stream or two;
                     # those must be started too (they are in this worker's pending list now).
                     entries = self.intake.wait(block_ms)
-                jobs, report = self.intake.start(entries) if entries else ([], StartReport())
+                early = self.intake.early_jobs(entries)
+                if early:
+                    with self._lock:
+                        self._ready.early.extend(early)
+                        self._lock.notify_all()
+                jobs, report = self.intake.start(entries, early) if entries else ([], StartReport())
                 with self._lock:
                     self._reading = 0
                     # what was read but did not become a job frees its share of the allowance
@@ -114,6 +135,7 @@ class IntakeReader:
                     if entries:
                         self._ready.jobs.extend(jobs)
                         self._ready.reports.append(report)
+                        self._ready.resolved.extend(j.request_id for j in early)
                         self._lock.notify_all()
         except BaseException as exc:  # surfaced to the loop by take()
             log.exception("intake thread failed")

@@ -4,19 +4,22 @@ One iteration::
 
     heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
     claim_interval_s); grant the intake thread what the engine can admit now and add what it
-    has started (waiting for it only when the engine is idle); engine.step(); hand the step's
-    publish (tokens, finishes, cancel check: one pipelined round trip) to the publisher thread,
-    after applying the previous one's results; abort what was cancelled.
+    has started (waiting for it only when the engine is idle); engine.step(); read and apply
+    the previous step's publish replies, then send this step's publish (tokens, finishes,
+    cancel check: one pipelined round trip) without waiting for its replies; abort what was
+    cancelled.
 
 With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
 before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the
 same publish round trip, applies its reply with the publish's results, keeps the lease alive while
 idle, and leaves the pool on shutdown.
 
-Three threads, one owner each: the loop owns the engine and ``jobs``; the intake thread
-(``reader.IntakeReader``) owns reading (``XREADGROUP``, blocking when nothing waits) and
-starting entries; the publisher thread runs publishes in step order, one in flight, so Redis
-round trips overlap engine compute.
+Two threads, one owner each: the loop owns the engine, ``jobs`` and publishing; the intake
+thread (``reader.IntakeReader``) owns reading (``XREADGROUP``, blocking when nothing waits) and
+starting entries. A step's publish is written the moment the step ends and its replies are read
+after the next step (one in flight, in step order), so the round trip overlaps engine compute
+and no thread hand-off delays the tokens: a publisher thread cost each first token about half a
+millisecond of wake-up and GIL hand-over, and its Python work contended with the engine's.
 
 Step-exception policy: an exception raised by ``engine.step()`` gives every request in the
 engine a terminal ``error`` event (code ``engine_error``), aborts them, and the worker keeps
@@ -30,9 +33,20 @@ Shutdown (SIGTERM/SIGINT): stop reading and claiming; keep stepping and publishi
 (re-queued at the tail of its stream, resumed by any worker from its token list); remove the
 heartbeat; return 0.
 
+Early start (``reader``): a new request goes into the engine as soon as it is read, while its
+``START`` is on the wire, so that it joins the step that begins meanwhile; nothing is published
+for it until ``START`` has answered. Answered ok, it becomes a job; refused (cancelled, expired,
+...), it is aborted in the engine and its outputs are dropped; answered ok with tokens to resume
+from (a handback from an older worker that did not mark its entry), it is aborted and added
+again, with its tokens, once the engine has reported the abort. A step whose outputs include an
+early request waits for that answer first (it left before the step began).
+
 Invariant: ``jobs`` holds exactly the requests this worker owns in Redis (record ``running``
-with its name) and has added to its engine; a request leaves ``jobs`` only once it is finished,
-handed back, or found to be owned by another worker.
+with its name) and has added to its engine, except those in ``_aborting`` waiting to be added
+again; a request leaves ``jobs`` only once it is finished, handed back, or found to be owned by
+another worker. ``_early`` holds the requests in the engine whose ``START`` has not answered;
+``_aborting`` those aborted in the engine whose end it has not reported yet (their outputs are
+dropped), no id being in two of the three.
 """
 
 from __future__ import annotations
@@ -44,7 +58,6 @@ import signal
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, cast
 
 import redis
@@ -59,7 +72,7 @@ from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
 from tokenfleet.worker.kv_pool import KVPoolMember
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.pool_link import PoolEngine, PoolLink
-from tokenfleet.worker.publisher import Finish, Publisher, StepResult
+from tokenfleet.worker.publisher import Finish, PendingPublish, Publisher, StepResult
 from tokenfleet.worker.reader import Delivery, IntakeReader
 from tokenfleet.worker.recovery import Claimer, Heartbeat
 from tokenfleet.worker.worker_settings import WorkerSettings
@@ -129,6 +142,8 @@ class WorkerService:
         self.claimer = Claimer(self.client, self.intake, claim_idle_s=wsettings.claim_idle_s)
         self.reader = IntakeReader(self.intake, block_ms=wsettings.block_ms)
         self.jobs: dict[str, Job] = {}
+        self._early: dict[str, Job] = {}  # in the engine, START not answered yet (reader)
+        self._aborting: dict[str, Job | None] = {}  # aborted in the engine, end not reported yet
         self.pool: PoolLink | None = None  # the engine's link to a shared KV pool
         if wsettings.kv_pool:
             member = KVPoolMember(
@@ -139,8 +154,7 @@ class WorkerService:
                 weight=wsettings.share_weight,
             )
             self.pool = PoolLink(cast(PoolEngine, engine), member)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="publish")
-        self._inflight: deque[Future[StepResult]] = deque()
+        self._inflight: deque[PendingPublish] = deque()  # sent, replies not yet applied
         self._cancels: set[str] = set()
         self.stop_requested = False
         self._hurry = False
@@ -232,7 +246,6 @@ class WorkerService:
                 self.flush()
             except Exception:  # already failing: the heartbeat must still go
                 log.exception("worker %s: publishing failed", self.ws.name)
-            self._executor.shutdown(wait=True)
             if self.pool is not None:
                 try:
                     self.pool.leave()
@@ -259,11 +272,19 @@ class WorkerService:
         return max(0, min(cap.free_seq_slots, by_kv))
 
     def _deliver(self, delivery: Delivery) -> None:
-        """Add what the intake thread started to the engine (before the next step)."""
+        """Take in what the intake thread has: early jobs go into the engine at once, started
+        jobs become ours, and early jobs whose ``START`` did not answer ok leave the engine."""
         for report in delivery.reports:
             self._count(report)
+        resolved_now = set(delivery.resolved)
+        for job in delivery.early:
+            if job.request_id not in resolved_now:  # else its START answer is right here
+                self._add_early(job)
         for job in delivery.jobs:
-            self._add(job)
+            self._own(job)
+        for rid in delivery.resolved:
+            if rid in self._early:  # START refused it (cancelled, expired, ...): never publish
+                self._drop_early(rid, None)
 
     def _admit(self, entries: list[Entry], claimed: bool = False) -> None:
         if not entries:
@@ -280,7 +301,53 @@ class WorkerService:
                     job.num_published,
                     job.attempts,
                 )
-            self._add(job)
+            self._own(job)
+
+    def _own(self, job: Job) -> None:
+        """A started job (``START`` answered ok): make it ours, in the engine."""
+        rid = job.request_id
+        early = self._early.pop(rid, None)
+        if early is not None:
+            if early.entry.key == job.entry.key and not job.resume_token_ids:
+                self.jobs[rid] = job  # already in the engine, from its first token
+                return
+            self._drop_early(rid, job)  # it has tokens to resume from: start it over
+            return
+        if rid in self._aborting:  # the engine still holds an aborted run of the same id
+            self._aborting[rid] = job
+            return
+        self._add(job)
+
+    def _add_early(self, job: Job) -> None:
+        """Put a request into the engine before its ``START`` has answered (``reader``)."""
+        rid = job.request_id
+        if rid in self.jobs or rid in self._early or rid in self._aborting:
+            return  # the started job will sort it out
+        try:
+            self._engine_add(job)
+        except (ValueError, TypeError):
+            return  # refused: _add reports it once the request is started
+        self._early[rid] = job
+
+    def _drop_early(self, rid: str, restart: Job | None) -> None:
+        """Take an early request out of the engine; ``restart``: add it again (with its resume
+        tokens) once the engine has reported the id finished."""
+        self._early.pop(rid, None)
+        self.engine.abort(rid)
+        # an abort, or an end inside the step being processed, is reported exactly once
+        self._aborting[rid] = restart
+
+    def _resolve_early(self, rids: set[str]) -> None:
+        """Wait until every id in ``rids`` that is still early has its ``START`` answer (it is
+        on the wire since before the step that produced its tokens: normally here already)."""
+        while any(rid in self._early for rid in rids):
+            delivery = self.reader.take(timeout_s=0.5)  # raises the intake thread's error
+            if not delivery and not self.reader.alive:
+                # stopped, and what it had was delivered: cannot be early any more
+                for rid in [r for r in rids if r in self._early]:
+                    self._drop_early(rid, None)
+                return
+            self._deliver(delivery)
 
     def _count(self, report: StartReport) -> None:
         for kind, prios in (
@@ -291,22 +358,26 @@ class WorkerService:
             for p in prios:
                 self.metrics.observe_outcome(p, kind)
 
-    def _add(self, job: Job) -> None:
+    def _engine_add(self, job: Job) -> None:
+        """``engine.add_request`` for ``job`` (raises what it raises)."""
         req = job.request
-        rid = req.request_id
+        prompt = self._prompt(req)
+        self.engine.add_request(
+            req.request_id,
+            prompt,
+            self.make_params(req),
+            priority=req.priority,
+            arrival_time=req.enqueued_at or time.time(),
+            resume_output_ids=job.resume_token_ids,
+        )
+        self._avg_prompt_tokens += 0.1 * (len(prompt) - self._avg_prompt_tokens)
+
+    def _add(self, job: Job) -> None:
+        rid = job.request_id
         if rid in self.jobs:  # delivered twice to this worker (cannot happen by protocol)
             return
         try:
-            prompt = self._prompt(req)
-            params = self.make_params(req)
-            self.engine.add_request(
-                rid,
-                prompt,
-                params,
-                priority=req.priority,
-                arrival_time=req.enqueued_at or time.time(),
-                resume_output_ids=job.resume_token_ids,
-            )
+            self._engine_add(job)
         except (ValueError, TypeError) as exc:
             code = getattr(exc, "code", "invalid_request")
             self._finish_now(
@@ -316,8 +387,6 @@ class WorkerService:
                 f"the engine refused the request: {exc}",
             )
             return
-        n = len(prompt)
-        self._avg_prompt_tokens += 0.1 * (n - self._avg_prompt_tokens)
         self.jobs[rid] = job
 
     def _prompt(self, req: GenerationRequest) -> str | list[int]:
@@ -344,10 +413,19 @@ class WorkerService:
             return
         if any(out.new_token_ids for out in outputs):
             self._failures = 0  # the engine demonstrably works again
+        if self._early:
+            self._resolve_early({out.request_id for out in outputs})
+        firsts: list[tuple[Job, list[TokenEvent]]] = []  # requests' first tokens (TTFT)
         tokens: list[tuple[Job, list[TokenEvent]]] = []
         finishes: list[Finish] = []
-        num_new = 0
+        restarts: list[Job] = []
         for out in outputs:
+            if out.request_id in self._aborting:  # a run we took back: nothing is published
+                if out.finished:
+                    restart = self._aborting.pop(out.request_id)
+                    if restart is not None:
+                        restarts.append(restart)
+                continue
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
@@ -356,15 +434,21 @@ class WorkerService:
                 for i, (tid, text) in enumerate(zip(out.new_token_ids, out.new_texts, strict=True))
             ]
             if events:
-                tokens.append((job, events))
-                num_new += len(events)
-                self.metrics.observe_tokens(job.entry.priority, len(events))
+                (firsts if events[0].index == 0 else tokens).append((job, events))
             if out.finished:
                 finishes.append(Finish(job, self._terminal(job, out, len(events))))
         finishing = {f.job.request_id for f in finishes}
         check = [rid for rid in self.jobs if rid not in finishing]
+        # first tokens lead the pipeline: Redis runs (and PUBLISHes) them before the others
+        tokens = firsts + tokens
         self._publish_async(tokens, finishes, check)
+        num_new = 0
+        for job, events in tokens:  # bookkeeping once the round trip is on its way
+            num_new += len(events)
+            self.metrics.observe_tokens(job.entry.priority, len(events))
         self._tokens_total += num_new
+        for job in restarts:
+            self._add(job)
         self._cancel_requested()
         stats = getattr(self.engine, "last_step_stats", None)
         if stats is not None:
@@ -376,27 +460,31 @@ class WorkerService:
             time.time(), num_new, stats, self.engine.capacity(), self._kv_total
         )
 
-    # -- publishing off the loop's thread ---------------------------------------------------
+    # -- publishing, overlapped with the next step -------------------------------------------
     def _publish_async(
         self,
         tokens: list[tuple[Job, list[TokenEvent]]],
         finishes: list[Finish],
         check: list[str],
     ) -> None:
-        """Apply the previous step's round trip, then hand this step's to the publisher thread.
+        """Apply the previous step's round trip, then send this step's without waiting.
 
         One round trip is in flight while the engine computes the next step (the tokens reach
-        clients as soon as it lands); its results (finishes, lost requests, cancellations) are
-        applied one step late.
+        clients as soon as Redis runs it); its results (finishes, lost requests, cancellations)
+        are applied one step late.
         """
         self.flush()
         call = self.pool.plan() if self.pool is not None else None
-        self._inflight.append(
-            self._executor.submit(self.publisher.publish, tokens, finishes, check, call)
-        )
+        try:
+            pending = self.publisher.send(tokens, finishes, check, call)
+        except BaseException:
+            if self.pool is not None:
+                self.pool.abandon()
+            raise
+        self._inflight.append(pending)
 
     def flush(self) -> None:
-        """Wait for every publish in flight and apply its result."""
+        """Read the replies of every publish in flight (waiting if need be) and apply them."""
         while self._inflight:
             try:
                 result = self._inflight.popleft().result()
@@ -477,8 +565,9 @@ class WorkerService:
             self.metrics.observe_finish(job.entry.priority, status.value, None, 0, {})
 
     def _step_failed(self, exc: BaseException) -> None:
-        affected = set(self.jobs)  # not those the flush below may start
+        affected = set(self.jobs) | set(self._early)  # what was in the engine during the step
         self.flush()
+        self._resolve_early(set(self._early))  # early ones become jobs or leave the engine
         self._failures += 1
         log.exception(
             "worker %s: engine step failed (%d in a row); ending its %d requests "
@@ -526,9 +615,13 @@ class WorkerService:
     def hand_back_all(self) -> None:
         """Abort every running request and re-queue it for another worker (one round trip)."""
         self.flush()
-        if not self.jobs:
+        self._resolve_early(set(self._early))
+        # started ones whose engine run was taken back, waiting to be added again
+        waiting = [job for job in self._aborting.values() if job is not None]
+        self._aborting = dict.fromkeys(self._aborting)
+        jobs = list(self.jobs.values()) + waiting
+        if not jobs:
             return
-        jobs = list(self.jobs.values())
         pipe = self.client.pipeline(transaction=False)
         for job in jobs:
             self.engine.abort(job.request_id)

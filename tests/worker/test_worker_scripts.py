@@ -147,6 +147,7 @@ def test_handback_requeues_at_the_tail_without_counting_an_attempt(
     )
     entries: Any = r.xrange(STREAM)
     assert [e[0] for e in entries] == [new]
+    assert entries[0][1][b"h"] == b"1"  # marked: its record may hold tokens to resume from
     assert r.xpending(STREAM, CONSUMER_GROUP)["pending"] == 0  # undelivered: any worker reads it
 
 
@@ -196,6 +197,79 @@ def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> 
     pipe.command("SMISMEMBER", keys.cancel_set, "f")
     assert pipe.execute() == [["ok"], [0]]
     assert r.llen(keys.tokens("f")) == 1
+
+
+def test_script_pipeline_sends_now_and_reads_later(r: redis.Redis, keys: Keys) -> None:
+    from tokenfleet.worker.pipelined import ScriptPipeline
+
+    entry = enqueue(r, keys, make_request("g"))
+    _start(r, keys, "g", entry)
+    pipe = ScriptPipeline(r)
+    pipe.script(
+        APPEND_TOKENS,
+        [keys.record("g"), keys.tokens("g"), keys.channel("g")],
+        ["w1", 0, repr(time.time()), 60, TokenEvent("g", 0, 1, "x").encode()],
+    )
+    pipe.command("SMISMEMBER", keys.cancel_set, "g")
+    pipe.send()
+    assert r.hget(keys.record("g"), "worker") == b"w1"  # the client is free meanwhile
+    assert pipe.receive() == [["ok"], [0]]
+    assert r.llen(keys.tokens("g")) == 1
+    with pytest.raises(RuntimeError):
+        pipe.send()  # one round trip per pipeline
+
+
+def test_early_jobs_are_new_decodable_entries_only(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=[Priority.NORMAL],
+        worker_name="w1",
+        poison_limit=3,
+        starvation_pulls=8,
+    )
+    intake.ensure_groups()
+    enqueue(r, keys, make_request("new"))
+    r.xadd(STREAM, {"id": "bad", "d": b"not json"})
+    r.xadd(STREAM, {"id": "back", "d": make_request("back").encode(), "dl": "", "h": "1"})
+    entries = intake.pull(10)
+    assert [e.raw_id for e in entries] == ["new", "bad", "back"]
+    early = intake.early_jobs(entries)
+    assert [(j.request_id, j.attempts, j.resume_token_ids) for j in early] == [("new", 0, [])]
+    assert r.xlen(STREAM) == 3  # nothing written: start() still decides every entry
+
+
+def test_start_reuses_early_decoding_per_stream_and_entry(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    """Entry ids are unique per stream only: two priorities' streams can both hold 5-0."""
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=[Priority.NORMAL, Priority.BATCH],
+        worker_name="w1",
+        poison_limit=3,
+        starvation_pulls=8,
+    )
+    intake.ensure_groups()
+    for rid, priority in (("n1", Priority.NORMAL), ("b1", Priority.BATCH)):
+        req = make_request(rid, priority=priority)
+        r.xadd(keys.stream("default", priority), {"id": rid, "d": req.encode(), "dl": ""}, id="5-0")
+        r.hset(keys.record(rid), mapping={"status": "queued", "stream_id": "5-0", "attempts": 0})
+    entries = intake.pull(10)
+    assert [(e.raw_id, e.entry_id) for e in entries] == [("n1", "5-0"), ("b1", "5-0")]
+    jobs, _ = intake.start(entries, intake.early_jobs(entries))
+    assert [(j.request_id, j.entry.priority) for j in jobs] == [
+        ("n1", Priority.NORMAL),
+        ("b1", Priority.BATCH),
+    ]
+    for rid in ("n1", "b1"):
+        rec = record(r, keys, rid)
+        assert rec is not None and rec.status == "running" and rec.attempts == 1
 
 
 def test_intake_reader_never_takes_more_than_granted(

@@ -116,8 +116,12 @@ class ChannelLog:
     pubsub: Any
     events: dict[str, list[Any]] = field(default_factory=dict)
 
-    def pump(self) -> None:
-        while True:
+    def pump(self, max_s: float = 0.1) -> None:
+        """Take in what has arrived. Returns after a quiet 10 ms or after ``max_s``, so that a
+        steady stream (an event every few ms) cannot keep the caller from checking its
+        condition until the stream ends."""
+        until = time.monotonic() + max_s
+        while time.monotonic() < until:
             msg = self.pubsub.get_message(ignore_subscribe_messages=True, timeout=0.01)
             if msg is None:
                 return

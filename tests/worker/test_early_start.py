@@ -1,0 +1,170 @@
+"""Early start, in process against the real server: a new request runs in the engine while its
+``START`` is on the wire, and nothing is published for it until ``START`` has answered.
+
+The service's loop is driven by hand (``_deliver``, ``_step``) with a stand-in for the intake
+thread that hands over ``START``'s answer when the loop asks for it, so each ordering is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from worker_helpers import enqueue, make_request, record, subscribe, token_events
+
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import SamplingParams, TerminalEvent, TokenEvent
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.engine.request import SamplingParams as EngineParams
+from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.publisher import Publisher
+from tokenfleet.worker.reader import Delivery
+from tokenfleet.worker.service import WorkerService
+from tokenfleet.worker.worker_settings import WorkerSettings
+
+STREAM = "tft:q:default:normal"
+PROMPT = [5, 17, 42, 99, 7, 23]
+MAX_TOKENS = 8
+
+
+class AnsweringReader:
+    """Stands in for ``IntakeReader``: ``take`` hands over the queued deliveries one by one."""
+
+    def __init__(self, *deliveries: Delivery) -> None:
+        self.deliveries = list(deliveries)
+        self.takes = 0
+        self.alive = True
+
+    def take(self, timeout_s: float = 0.0) -> Delivery:
+        self.takes += 1
+        return self.deliveries.pop(0) if self.deliveries else Delivery()
+
+
+@pytest.fixture
+def service(r: redis.Redis, settings: Settings, tiny_model_dir: Path) -> Iterator[WorkerService]:
+    from tokenfleet.worker.engine.engine import Engine
+
+    ws = WorkerSettings(model=str(tiny_model_dir), name="w1")
+    svc = WorkerService(Engine(tiny_model_dir, device="cpu"), settings, ws, client=r)
+    svc.intake.ensure_groups()
+    yield svc
+    svc.flush()
+
+
+def _request(rid: str) -> Any:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return make_request(rid, prompt_token_ids=PROMPT, sampling=params)
+
+
+def _run_to_end(svc: WorkerService) -> None:
+    for _ in range(10 * MAX_TOKENS):
+        if not svc.engine.has_unfinished():
+            break
+        svc._step()
+    svc.flush()
+    assert not svc.engine.has_unfinished()
+
+
+def _reference(ref_engine: Any) -> list[int]:
+    ref_engine.block_manager.reset_prefix_cache()
+    params = EngineParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return list(ref_engine.generate([PROMPT], params)[0].token_ids)
+
+
+def test_early_request_publishes_only_once_started(
+    r: redis.Redis, keys: Keys, service: WorkerService, ref_engine: Any
+) -> None:
+    log = subscribe(r, keys, ["e1"])
+    enqueue(r, keys, _request("e1"))
+    entries = service.intake.pull(4)
+    early = service.intake.early_jobs(entries)
+    service._deliver(Delivery(early=early))  # in the engine, START still on the wire
+    assert "e1" in service._early and "e1" not in service.jobs
+    jobs, report = service.intake.start(entries)
+    reader = AnsweringReader(Delivery(jobs=jobs, reports=[report], resolved=["e1"]))
+    service.reader = reader  # type: ignore[assignment]
+    service._step()  # the first token is computed before the answer is taken
+    assert reader.takes == 1 and "e1" in service.jobs and not service._early
+    _run_to_end(service)
+    events = token_events(r, keys, "e1")
+    assert [e.index for e in events] == list(range(MAX_TOKENS))
+    assert [e.token_id for e in events] == _reference(ref_engine)
+    rec = record(r, keys, "e1")
+    assert rec is not None and rec.status == "done" and rec.attempts == 1
+    assert log.tokens("e1") == events and log.terminal("e1") is not None
+
+
+def test_early_request_refused_by_start_leaves_the_engine_unpublished(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    log = subscribe(r, keys, ["e2"])
+    enqueue(r, keys, _request("e2"))
+    entries = service.intake.pull(4)
+    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    r.sadd(keys.cancel_set, "e2")  # cancelled while START is on the wire
+    jobs, report = service.intake.start(entries)
+    assert jobs == []
+    service.reader = AnsweringReader(  # type: ignore[assignment]
+        Delivery(reports=[report], resolved=["e2"])
+    )
+    service._step()  # computes a token for e2, then drops it
+    assert "e2" in service._aborting and not service._early and not service.jobs
+    _run_to_end(service)
+    assert not service._aborting
+    assert r.llen(keys.tokens("e2")) == 0
+    rec = record(r, keys, "e2")
+    assert rec is not None and rec.status == "cancelled"
+    log.pump()
+    assert [type(e) for e in log.events.get("e2", [])] == [TerminalEvent]
+
+
+def test_early_request_with_tokens_to_resume_starts_over_from_them(
+    r: redis.Redis, settings: Settings, keys: Keys, service: WorkerService, ref_engine: Any
+) -> None:
+    """An entry handed back by a worker that did not mark it (``h``) looks new, but its record
+    holds tokens: the early run is taken back and the request resumes from its token list."""
+    ref = _reference(ref_engine)
+    req = _request("e3")
+    enqueue(r, keys, req)
+    old = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=[Priority.NORMAL],
+        worker_name="w0",
+        poison_limit=3,
+        starvation_pulls=8,
+    )
+    (job0,), _ = old.start(old.pull(1))
+    done = [TokenEvent("e3", i, ref[i], f"<{i}>") for i in range(3)]
+    publisher = Publisher(r, settings, model_name="default", worker_name="w0")
+    assert not publisher.publish([(job0, done)], []).lost
+    # an unmarked handback: new entry at the tail, the old one gone, the record queued again
+    new = r.xadd(STREAM, {"id": "e3", "d": req.encode(), "dl": ""})
+    r.xack(STREAM, CONSUMER_GROUP, job0.entry.entry_id)
+    r.xdel(STREAM, job0.entry.entry_id)
+    r.hset(keys.record("e3"), mapping={"status": "queued", "worker": "", "stream_id": new})
+    r.hincrby(keys.record("e3"), "attempts", -1)
+
+    entries = service.intake.pull(4)
+    early = service.intake.early_jobs(entries)
+    assert [j.request_id for j in early] == ["e3"]
+    service._deliver(Delivery(early=early))
+    jobs, report = service.intake.start(entries)
+    assert jobs[0].resume_token_ids == ref[:3]
+    service.reader = AnsweringReader(  # type: ignore[assignment]
+        Delivery(jobs=jobs, reports=[report], resolved=["e3"])
+    )
+    service._step()  # its token 0 from scratch is dropped; the run is aborted
+    assert service._aborting.get("e3") is jobs[0]
+    _run_to_end(service)
+    events = token_events(r, keys, "e3")
+    assert [e.index for e in events] == list(range(MAX_TOKENS))  # no gap, no duplicate
+    assert [e.token_id for e in events] == ref
+    rec = record(r, keys, "e3")
+    assert rec is not None and rec.status == "done" and rec.attempts == 1
+    assert rec.text == "".join(e.text for e in events)
