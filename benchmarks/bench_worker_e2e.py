@@ -12,8 +12,8 @@ greedy decoding makes them equal, which the run checks):
 * ``fleet-2``: two worker processes (1 thread each), on a heavier workload that keeps both busy
   (all requests arrive within half a second), compared with ``fleet-1`` on that same workload.
 
-The first workload is the engine benchmark's default (64 requests at 20/s, prompts 16-256 tokens,
-max_tokens 8-256).
+The light workload comes from the engine benchmark's generator (64 requests at 20/s by default,
+prompts 16-128 tokens, max_tokens 16-128); the heavy one has max_tokens 32-192.
 
 Throughput = output tokens / (last terminal event - workload start). TTFT = first token seen by
 the client (fleet) or sampled (engine) - scheduled arrival. ``--rounds N`` repeats the light pair
