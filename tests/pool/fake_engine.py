@@ -1,4 +1,5 @@
-"""A stand-in for the engine surface ``PoolLink`` drives (``PoolEngine``), answers settable."""
+"""Stand-ins for what ``PoolLink`` drives: the engine surface (``PoolEngine``, answers settable)
+and a monotonic clock that only ``sleep`` and the test move."""
 
 from __future__ import annotations
 
@@ -36,3 +37,19 @@ class FakeEngine:
     def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
         self.orders.append((num_blocks, priority))
         return num_blocks
+
+
+class FakeTime:
+    """A monotonic clock that only ``sleep`` (and the test) moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.slept.append(seconds)
+        self.now += seconds

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, FakeTime
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -26,22 +26,6 @@ from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.request import SamplingParams
 from tokenfleet.worker.kv_pool import KVPoolMember, create_pool, pool_snapshot
 from tokenfleet.worker.pool_link import PoolLink
-
-
-class FakeTime:
-    """A monotonic clock that only ``sleep`` (and the test) moves."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        assert seconds >= 0
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def share(budget: int = 100, round_ms: int = 100) -> tuple[ComputeShare, FakeTime]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 import torch
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, FakeTime
 
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
@@ -179,14 +179,6 @@ def test_critical_requests_get_blocks_from_a_flooded_member(
     assert pool_snapshot(r, keys, "p")["held"] == 0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def fake_link(r: redis.Redis, keys: Keys, name: str, **kwargs: Any) -> tuple[PoolLink, FakeEngine]:
     engine = FakeEngine()
     link = PoolLink(engine, KVPoolMember(client=r, keys=keys, pool="p", member=name), **kwargs)
@@ -211,7 +203,7 @@ def test_asks_ahead_in_chunks_gives_back_when_idle_and_ticks_the_lease(
     r: redis.Redis, keys: Keys
 ) -> None:
     create_pool(r, keys, "p", PoolConfig(total_blocks=40, chunk_blocks=4, clock="manual"))
-    clock = Clock()
+    clock = FakeTime()
     link, engine = fake_link(r, keys, "a", clock=clock)
     engine.has_work, engine.num_blocks_wanted = True, 5
     g = link.step_now()

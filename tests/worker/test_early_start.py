@@ -13,14 +13,19 @@ from typing import Any
 
 import pytest
 import redis
-from worker_helpers import enqueue, make_request, record, subscribe, token_events
+from worker_helpers import (
+    enqueue,
+    make_intake,
+    make_request,
+    record,
+    subscribe,
+    token_events,
+)
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import SamplingParams, TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
-from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.publisher import Publisher
 from tokenfleet.worker.reader import Delivery
 from tokenfleet.worker.service import WorkerService
@@ -130,15 +135,7 @@ def test_early_request_with_tokens_to_resume_starts_over_from_them(
     ref = _reference(ref_engine)
     req = _request("e3")
     enqueue(r, keys, req)
-    old = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=[Priority.NORMAL],
-        worker_name="w0",
-        poison_limit=3,
-        starvation_pulls=8,
-    )
+    old = make_intake(r, settings, worker_name="w0")
     (job0,), _ = old.start(old.pull(1))
     done = [TokenEvent("e3", i, ref[i], f"<{i}>") for i in range(3)]
     publisher = Publisher(r, settings, model_name="default", worker_name="w0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import redis
+from worker_helpers import make_intake
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
@@ -11,16 +12,9 @@ from tokenfleet.worker.intake import Intake
 
 
 def _intake(r: redis.Redis, settings: Settings, starvation_pulls: int = 3) -> Intake:
-    intake = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=list(Priority),
-        worker_name="w1",
-        poison_limit=3,
-        starvation_pulls=starvation_pulls,
+    intake: Intake = make_intake(
+        r, settings, priorities=list(Priority), starvation_pulls=starvation_pulls
     )
-    intake.ensure_groups()
     return intake
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import redis
-from worker_helpers import enqueue, make_request, record
+from worker_helpers import enqueue, make_intake, make_request, record
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
@@ -16,7 +16,6 @@ from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.shared.scripts.worker import APPEND_TOKENS, HANDBACK, START
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.recovery import Claimer, Heartbeat
 
 STREAM = "tft:q:default:normal"
@@ -154,16 +153,7 @@ def test_handback_requeues_at_the_tail_without_counting_an_attempt(
 def test_claim_takes_only_entries_of_dead_owners(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
-    intake = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=[Priority.NORMAL],
-        worker_name="me",
-        poison_limit=3,
-        starvation_pulls=8,
-    )
-    intake.ensure_groups()
+    intake = make_intake(r, settings, worker_name="me")
     for rid in ("x1", "x2"):
         enqueue(r, keys, make_request(rid))
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
@@ -222,16 +212,7 @@ def test_script_pipeline_sends_now_and_reads_later(r: redis.Redis, keys: Keys) -
 def test_early_jobs_are_new_decodable_entries_only(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
-    intake = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=[Priority.NORMAL],
-        worker_name="w1",
-        poison_limit=3,
-        starvation_pulls=8,
-    )
-    intake.ensure_groups()
+    intake = make_intake(r, settings)
     enqueue(r, keys, make_request("new"))
     r.xadd(STREAM, {"id": "bad", "d": b"not json"})
     r.xadd(STREAM, {"id": "back", "d": make_request("back").encode(), "dl": "", "h": "1"})
@@ -246,16 +227,7 @@ def test_start_reuses_early_decoding_per_stream_and_entry(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     """Entry ids are unique per stream only: two priorities' streams can both hold 5-0."""
-    intake = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=[Priority.NORMAL, Priority.BATCH],
-        worker_name="w1",
-        poison_limit=3,
-        starvation_pulls=8,
-    )
-    intake.ensure_groups()
+    intake = make_intake(r, settings, priorities=[Priority.NORMAL, Priority.BATCH])
     for rid, priority in (("n1", Priority.NORMAL), ("b1", Priority.BATCH)):
         req = make_request(rid, priority=priority)
         r.xadd(keys.stream("default", priority), {"id": rid, "d": req.encode(), "dl": ""}, id="5-0")
@@ -277,16 +249,7 @@ def test_intake_reader_never_takes_more_than_granted(
 ) -> None:
     from tokenfleet.worker.reader import IntakeReader
 
-    intake = Intake(
-        r,
-        settings,
-        model_name="default",
-        priorities=[Priority.NORMAL],
-        worker_name="w1",
-        poison_limit=3,
-        starvation_pulls=8,
-    )
-    intake.ensure_groups()
+    intake = make_intake(r, settings)
     for i in range(5):
         enqueue(r, keys, make_request(f"g{i}"))
     reader = IntakeReader(intake, block_ms=50, busy_block_ms=50).start()

@@ -26,6 +26,31 @@ from tokenfleet.shared.schema import (
 DEADLINE_S = 120.0
 
 
+def make_intake(
+    r: redis.Redis,
+    settings: Any,
+    *,
+    worker_name: str = "w1",
+    priorities: Sequence[Any] | None = None,
+    starvation_pulls: int = 8,
+) -> Any:
+    """An ``Intake`` for model "default" (poison limit 3), its consumer groups created."""
+    from tokenfleet.shared.priority import Priority
+    from tokenfleet.worker.intake import Intake
+
+    intake = Intake(
+        r,
+        settings,
+        model_name="default",
+        priorities=list(priorities) if priorities is not None else [Priority.NORMAL],
+        worker_name=worker_name,
+        poison_limit=3,
+        starvation_pulls=starvation_pulls,
+    )
+    intake.ensure_groups()
+    return intake
+
+
 _ENQUEUE_LUA = """
 local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'd', ARGV[2], 'dl', ARGV[3])
 redis.call('HSET', KEYS[2], 'stream_id', id)
