@@ -255,6 +255,15 @@ class Intake:
     ) -> tuple[list[Job], StartReport]:
         """Decode and start ``entries`` (see the module docstring for the invariant); the
         ``early_jobs`` of these entries, if given, spare decoding them twice."""
+        jobs, report, _ = self.start_and_pull(entries, early, 0)
+        return jobs, report
+
+    def start_and_pull(
+        self, entries: Iterable[Entry], early: Sequence[Job], budget: int
+    ) -> tuple[list[Job], StartReport, list[Entry]]:
+        """:meth:`start`, plus :meth:`pull` of up to ``budget`` new entries in the same round
+        trip (the reader's follow-up read costs no round trip of its own). Returns the jobs,
+        the report and the entries pulled, which the caller must start in turn."""
         report = StartReport()
         known = {job.entry.key: job.request for job in early}
         decoded: list[tuple[Entry, GenerationRequest]] = []
@@ -266,7 +275,7 @@ class Intake:
                 self.dead_letter(entry, str(exc), exc.request_id)
                 report.dead_lettered.append(entry.priority)
         if not decoded:
-            return [], report
+            return [], report, self.pull(budget)
         now = time.time()
         pipe = ScriptPipeline(self.client)
         for entry, req in decoded:
@@ -284,7 +293,12 @@ class Intake:
                     "" if req.deadline is None else repr(req.deadline),
                 ],
             )
+        order = self.order() if budget > 0 else []
+        if order:
+            keys, args = self._pull_keys_args(order, budget)
+            pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         replies = pipe.execute()
+        pulled = self.parse_pull(order, replies.pop()) if order else []
         jobs: list[Job] = []
         for (entry, req), reply in zip(decoded, replies, strict=True):
             values = reply
@@ -335,7 +349,7 @@ class Intake:
                 )
                 report.poisoned.append(entry.priority)
             # "terminal": the script already acked and deleted the entry
-        return jobs, report
+        return jobs, report, pulled
 
     def decode(self, entry: Entry) -> GenerationRequest:
         """Decode and validate an entry's payload; ``ProtocolError`` names the fault."""

@@ -11,7 +11,8 @@ commands that failed are run again. An ``EVALSHA`` that fails with ``NOSCRIPT`` 
 running it again is safe.
 
 Invariants: ``execute`` (= ``send`` then ``receive``) returns one reply per queued command, in
-order, each checked with ``registry.check_reply`` for scripts; any other error is raised. Between
+order, each checked with ``registry.check_reply`` for scripts; any other error is raised (a
+script queued with ``raise_errors=False`` gets its error reply back instead). Between
 ``send`` and ``receive`` the pipeline holds its connection, which nothing else uses; ``receive``
 gives it back to the pool (closed if the exchange failed half way, so that no reply is left on
 it for the next user).
@@ -46,14 +47,26 @@ class ScriptPipeline:
         self.client = client
         self._commands: list[tuple[KeyOrArg, ...]] = []
         self._calls: list[tuple[LuaScript, list[KeyOrArg], list[KeyOrArg]] | None] = []
+        self._tolerant: set[int] = set()  # indices whose error replies are returned, not raised
         self._conn: Any = None  # the connection the commands were sent on, until received
         self._sent = False
 
-    def script(self, script: LuaScript, keys: Sequence[KeyOrArg], args: Sequence[KeyOrArg]) -> None:
-        """Queue ``script`` (its reply is checked and returned by :meth:`execute`)."""
+    def script(
+        self,
+        script: LuaScript,
+        keys: Sequence[KeyOrArg],
+        args: Sequence[KeyOrArg],
+        *,
+        raise_errors: bool = True,
+    ) -> None:
+        """Queue ``script`` (its reply is checked and returned by :meth:`execute`).
+        ``raise_errors=False``: an error reply is returned in its place, as the exception,
+        instead of being raised (the other commands' replies stay usable)."""
         keys, args = list(keys), list(args)
         self._commands.append(("EVALSHA", sha_of(script), len(keys), *keys, *args))
         self._calls.append((script, keys, args))
+        if not raise_errors:
+            self._tolerant.add(len(self._calls) - 1)
 
     def command(self, name: str, *args: KeyOrArg) -> None:
         """Queue a plain command (its reply is returned as Redis sent it)."""
@@ -113,10 +126,18 @@ class ScriptPipeline:
         for i in retry:
             call = self._calls[i]
             if call is not None:
-                replies[i] = registry.call(self.client, call[0], call[1], call[2])
-        out = []
+                try:
+                    replies[i] = registry.call(self.client, call[0], call[1], call[2])
+                except redis.ResponseError as exc:
+                    if i not in self._tolerant:
+                        raise
+                    replies[i] = exc
+        out: list[Any] = []
         for i, (reply, call) in enumerate(zip(replies, self._calls, strict=True)):
             if isinstance(reply, Exception):
+                if i in self._tolerant:
+                    out.append(reply)
+                    continue
                 raise reply
             out.append(
                 reply if call is None or i in retry else registry.check_reply(call[0], reply)

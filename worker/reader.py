@@ -5,8 +5,11 @@ admit and grants that as the reader's *allowance*. The reader pulls at most that
 (``Intake.pull``, most urgent first); when none is waiting it blocks in Redis
 (``Intake.wait``, ``XREADGROUP ... BLOCK``), so an arriving request is read the moment it is
 added, with no round trip on the loop's side and no polling. Read entries are started in Redis
-(``Intake.start``) and handed to the loop as :class:`Job` objects, which it adds to the engine
-before its next step.
+and handed to the loop as :class:`Job` objects, which it adds to the engine before its next
+step. The ``START`` round trip also pulls what else the allowance takes
+(``Intake.start_and_pull``); when that pull comes back short, the streams were empty, so the
+next read blocks at once instead of pulling first: a lone arrival costs two round trips (the
+wait's reply, then ``START``), not three.
 
 Early start: a new request (not handed back, so nothing to resume) is handed over *before* its
 ``START`` round trip, as an ``early`` job, and ``resolved`` once ``START`` has answered (as a
@@ -26,7 +29,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from tokenfleet.worker.intake import Intake, Job, StartReport
+from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +108,27 @@ class IntakeReader:
             out, self._ready = self._ready, Delivery()
             return out
 
+    def _start(self, entries: list[Entry], left: int) -> tuple[list[Entry], bool, int]:
+        """Hand ``entries`` over (early first), start them and, in the same round trip, pull
+        up to ``left`` more. Returns (entries pulled, whether that pull left none waiting,
+        allowance left)."""
+        early = self.intake.early_jobs(entries)
+        if early:
+            with self._lock:
+                self._ready.early.extend(early)
+                self._lock.notify_all()
+        budget = 0 if self._stop else max(0, left)
+        jobs, report, pulled = self.intake.start_and_pull(entries, early, budget)
+        with self._lock:
+            self._reading = max(0, self._reading - len(entries))
+            self._ready.jobs.extend(jobs)
+            self._ready.reports.append(report)
+            self._ready.resolved.extend(j.request_id for j in early)
+            self._lock.notify_all()
+        return pulled, budget > 0 and len(pulled) < budget, left - len(pulled)
+
     def _run(self) -> None:
+        drained = False  # the last read left no entry waiting: block next time, don't pull
         try:
             while True:
                 with self._lock:
@@ -115,28 +138,21 @@ class IntakeReader:
                         return
                     n, self._reading, self._allowance = self._allowance, self._allowance, 0
                     block_ms = self.block_ms if self._idle else self.busy_block_ms
-                entries = self.intake.pull(n)
+                entries = [] if drained else self.intake.pull(n)
                 if not entries:
-                    # woken by the first arrival: start it at once; the rest of the allowance
-                    # is pulled on the next turn (it is refunded below). A wait reads at most
-                    # one entry per stream, so it can exceed a small allowance by a stream or two;
-                    # those must be started too (they are in this worker's pending list now).
+                    # woken by the first arrival: start it at once; the START round trip pulls
+                    # what else the allowance takes. A wait reads at most one entry per stream,
+                    # so it can exceed a small allowance by a stream or two; those must be
+                    # started too (they are in this worker's pending list now).
                     entries = self.intake.wait(block_ms)
-                early = self.intake.early_jobs(entries)
-                if early:
-                    with self._lock:
-                        self._ready.early.extend(early)
-                        self._lock.notify_all()
-                jobs, report = self.intake.start(entries, early) if entries else ([], StartReport())
+                    drained = not entries  # the wait timed out: nothing new on any stream
+                left = n - len(entries)
+                while entries:
+                    entries, drained, left = self._start(entries, left)
                 with self._lock:
                     self._reading = 0
-                    # what was read but did not become a job frees its share of the allowance
-                    self._allowance += max(0, n - len(entries)) if not self._stop else 0
-                    if entries:
-                        self._ready.jobs.extend(jobs)
-                        self._ready.reports.append(report)
-                        self._ready.resolved.extend(j.request_id for j in early)
-                        self._lock.notify_all()
+                    # what was not read frees its share of the allowance
+                    self._allowance += max(0, left) if not self._stop else 0
         except BaseException as exc:  # surfaced to the loop by take()
             log.exception("intake thread failed")
             with self._lock:
