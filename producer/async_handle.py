@@ -37,14 +37,13 @@ class AsyncHandle:
         request_id: str,
         *,
         subscription: AsyncSubscription | None = None,
-        fresh: bool = False,
         deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
         self._client = client
         self._sub: AsyncSubscription | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._cursor = EventCursor(request_id, 0, needs_sync=not fresh)
+        self._cursor = EventCursor(request_id, 0)  # syncs once subscribed
         self._base = 0
         self._tokens: list[TokenEvent] = []
         self._terminal: TerminalEvent | None = None
@@ -143,6 +142,8 @@ class AsyncHandle:
             self._attach(await client._subscriber.subscribe(channel, client.subscribe_timeout_s))
             self._cursor.needs_sync = True
         sub = self._sub
+        if sub is not None and not sub.confirmation.is_set():  # subscribed at submit, unconfirmed
+            await sub.wait_confirmed(self._client.subscribe_timeout_s)
         while sub is not None:
             if self._ready:
                 self._record(self._ready.popleft())

@@ -44,6 +44,17 @@ class AsyncSubscription:
         self._box_id = box_id
         self.queue: asyncio.Queue[object] = asyncio.Queue()
         self.closed = False
+        self.confirmation = asyncio.Event()  # set by the reader task
+
+    async def wait_confirmed(self, timeout: float) -> None:
+        """See ``Subscription.wait_confirmed``."""
+        try:
+            await asyncio.wait_for(self.confirmation.wait(), timeout)
+        except TimeoutError:
+            self.close()
+            raise redis.ConnectionError(
+                f"could not subscribe to {self.channel} within {timeout:g}s (is Redis reachable?)"
+            ) from None
 
     async def get(self, timeout: float | None) -> object | None:
         """Next item, waiting up to ``timeout`` seconds (None: forever)."""
@@ -77,23 +88,19 @@ class AsyncSubscriber:
         self._pending_sends: set[asyncio.Task[None]] = set()
         self.connects = 0  # connections opened so far (reconnects = connects - 1)
 
-    async def subscribe(self, channel: str, timeout: float) -> AsyncSubscription:
-        """Listen to ``channel``; returns once Redis confirmed the subscription."""
+    async def subscribe(
+        self, channel: str, timeout: float, *, confirm: bool = True
+    ) -> AsyncSubscription:
+        """See ``Subscriber.subscribe``."""
         if self._closed:
             raise redis.ConnectionError("the client is closed")
-        waiter = asyncio.Event()
         sub = AsyncSubscription(self, channel, next(self._ids))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
-        if self._table.add(channel, sub._box_id, sub.queue.put_nowait, waiter):
+        if self._table.add(channel, sub._box_id, sub.queue.put_nowait, sub.confirmation):
             await self._send("SUBSCRIBE", channel)
-        try:
-            await asyncio.wait_for(waiter.wait(), timeout)
-        except TimeoutError:
-            sub.close()
-            raise redis.ConnectionError(
-                f"could not subscribe to {channel} within {timeout:g}s (is Redis reachable?)"
-            ) from None
+        if confirm:
+            await sub.wait_confirmed(timeout)
         return sub
 
     def unsubscribe(self, channel: str, box_id: int) -> None:

@@ -102,20 +102,18 @@ class Client:
     ) -> Handle:
         prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
         channel = self._keys.channel(prepared.request_id)
-        sub = self._subscriber.subscribe(channel, self.subscribe_timeout_s)
+        sub = self._subscriber.subscribe(channel, self.subscribe_timeout_s, confirm=False)
         try:
             until = None if timeout is None else time.monotonic() + timeout
             delay, growth, ceiling = ops.BLOCK_POLL
             while True:
                 code, value = self._enqueue(prepared, try_only)
                 if code in ("new", "exists"):
-                    fresh = code == "new"
                     return Handle(
                         self,
                         prepared.request_id,
                         subscription=sub,
-                        fresh=fresh,
-                        deadline=prepared.deadline if fresh else None,
+                        deadline=prepared.deadline if code == "new" else None,
                     )
                 if code != "full" or (until is not None and time.monotonic() + delay > until):
                     raise ops.refusal(code, value)

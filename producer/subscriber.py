@@ -40,7 +40,8 @@ def pubsub_connection_factory(client: redis.Redis) -> Callable[[], Any]:
 
 class Subscription:
     """One mailbox on one channel. ``get()`` returns raw message bytes, ``RESYNC``, or None on
-    timeout. ``close()`` is idempotent and safe from finalizers."""
+    timeout. ``close()`` is idempotent and safe from finalizers. Messages arrive only once
+    Redis has confirmed the SUBSCRIBE (``wait_confirmed``)."""
 
     def __init__(self, subscriber: Subscriber, channel: str, box_id: int) -> None:
         self.channel = channel
@@ -48,6 +49,16 @@ class Subscription:
         self._box_id = box_id
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.closed = False
+        self.confirmation = threading.Event()  # set by the reader thread
+
+    def wait_confirmed(self, timeout: float) -> None:
+        """Return once Redis has confirmed the subscription; closes the subscription and
+        raises ``redis.ConnectionError`` if that takes more than ``timeout`` seconds."""
+        if not self.confirmation.wait(timeout):
+            self.close()
+            raise redis.ConnectionError(
+                f"could not subscribe to {self.channel} within {timeout:g}s (is Redis reachable?)"
+            )
 
     def get(self, timeout: float | None) -> object | None:
         """Next item, waiting up to ``timeout`` seconds (None: forever)."""
@@ -85,15 +96,17 @@ class Subscriber:
         self._ids = itertools.count()
         self.connects = 0  # connections opened so far (reconnects = connects - 1)
 
-    def subscribe(self, channel: str, timeout: float) -> Subscription:
-        """Listen to ``channel``; returns once Redis confirmed the subscription.
+    def subscribe(self, channel: str, timeout: float, *, confirm: bool = True) -> Subscription:
+        """Listen to ``channel``; returns once Redis confirmed the subscription, or at once
+        (SUBSCRIBE sent, confirmation pending: ``Subscription.wait_confirmed``) if not
+        ``confirm``.
 
         Raises:
-            redis.ConnectionError: not confirmed within ``timeout`` seconds.
+            redis.ConnectionError: the client is closed, or not confirmed within ``timeout``
+            seconds.
         """
         if self._closed.is_set():
             raise redis.ConnectionError("the client is closed")
-        waiter = threading.Event()
         sub = Subscription(self, channel, next(self._ids))
         with self._lock:
             if self._thread is None:
@@ -101,13 +114,10 @@ class Subscriber:
                     target=self._run, name="tokenfleet-subscriber", daemon=True
                 )
                 self._thread.start()
-            if self._table.add(channel, sub._box_id, sub.queue.put, waiter):
+            if self._table.add(channel, sub._box_id, sub.queue.put, sub.confirmation):
                 self._send("SUBSCRIBE", channel)
-        if not waiter.wait(timeout):
-            sub.close()
-            raise redis.ConnectionError(
-                f"could not subscribe to {channel} within {timeout:g}s (is Redis reachable?)"
-            )
+        if confirm:
+            sub.wait_confirmed(timeout)
         return sub
 
     def unsubscribe(self, channel: str, box_id: int) -> None:

@@ -106,3 +106,42 @@ def test_policies_ids_cancel_deadline(settings: Settings, client: Client) -> Non
             await aclient.submit("x", top_p=0)
 
     run(settings, body)
+
+
+def test_tokens_published_before_the_subscription_is_confirmed_are_not_lost(
+    settings: Settings, worker: FakeWorker
+) -> None:
+    """See the sync test of the same name: the reader task is held back from connecting."""
+
+    async def main() -> None:
+        conn = redis.asyncio.Redis.from_url(settings.redis_url)
+        client = AsyncClient(conn, settings=settings, recheck_s=60.0)
+        gate = asyncio.Event()
+        reconnect = client._subscriber._reconnect
+
+        async def held_back() -> bool:
+            await gate.wait()
+            return await reconnect()
+
+        client._subscriber._reconnect = held_back  # type: ignore[method-assign]
+        try:
+            handle = await client.submit("hi")
+            assert handle._sub is not None and not handle._sub.confirmation.is_set()
+            await asyncio.to_thread(worker.serve, ["a", "b", "c"])
+            gate.set()
+            sub, waits = handle._sub, []
+            get = sub.get
+
+            async def counted_get(timeout: float | None) -> object | None:
+                waits.append(timeout)
+                return await get(timeout)
+
+            sub.get = counted_get  # type: ignore[method-assign]
+            result = await handle.result(timeout=30)
+            assert (result.text, result.finish_reason) == ("abc", "stop")
+            assert waits == []  # all of it came from the read after the confirmation
+        finally:
+            await client.aclose()
+            await conn.aclose()
+
+    asyncio.run(main())

@@ -123,3 +123,27 @@ def test_live_events_need_no_recheck(
         _check(events, 0, "ab")
         assert len(events) == 3
         assert [e.to_dict()["type"] for e in late.stream(1, timeout=30)] == ["token", "done"]
+
+
+def test_tokens_published_before_the_subscription_is_confirmed_are_not_lost(
+    r: redis.Redis, settings: Settings, worker: FakeWorker
+) -> None:
+    """``submit`` sends SUBSCRIBE without waiting for Redis to confirm it. Here the whole
+    request is served before the subscriber may even connect; the handle's first read still
+    gets everything from the record and list, not after a quiet-channel recheck."""
+    with Client(r, settings=settings, recheck_s=60.0) as client:
+        with client._subscriber._lock:  # the reader thread can neither connect nor subscribe
+            handle = client.submit("hi")
+            assert handle._sub is not None and not handle._sub.confirmation.is_set()
+            worker.serve(["a", "b", "c"])
+        sub, waits = handle._sub, []
+        get = sub.get
+
+        def counted_get(timeout: float | None) -> object | None:
+            waits.append(timeout)
+            return get(timeout)
+
+        sub.get = counted_get  # type: ignore[method-assign]
+        result = handle.result(timeout=30)
+    assert (result.text, result.finish_reason) == ("abc", "stop")
+    assert waits == []  # all of it came from the read after the confirmation: no channel wait
