@@ -16,7 +16,9 @@ The light workload comes from the engine benchmark's generator (64 requests at 2
 prompts 16-128 tokens, max_tokens 16-128); the heavy one has max_tokens 32-192.
 
 Throughput = output tokens / (last terminal event - workload start). TTFT = first token seen by
-the client (fleet) or sampled (engine) - scheduled arrival. ``--rounds N`` repeats the light pair
+the client (fleet) or sampled (engine) - scheduled arrival. Both sides wait for an arrival the
+same way (``wait_until``: sleep, then spin the last millisecond), so that neither side's TTFT
+includes the load generator's own wake-up lateness. ``--rounds N`` repeats the light pair
 (engine, fleet-1) N times, alternating which side goes first, and reports each round and the
 medians: on a shared machine the load drifts between two sides measured one after the other, and
 a pair measured close together is the fairer comparison. Run::
@@ -45,6 +47,18 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import Workload, make_workload, percentile
+
+SPIN_S = 0.001
+
+
+def wait_until(t: float) -> None:
+    """Return at epoch time ``t``: sleep until ``SPIN_S`` before it, then spin. A plain sleep
+    wakes 0.15-0.4 ms late on this VM, and that lateness would count as TTFT."""
+    ahead = t - time.time() - SPIN_S
+    if ahead > 0:
+        time.sleep(ahead)
+    while time.time() < t:
+        pass
 
 
 @dataclass
@@ -111,7 +125,7 @@ def run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
                 r.request_id, r.prompt_token_ids, params, arrival_time=start + r.arrival_s
             )
         if not engine.has_unfinished():
-            time.sleep(max(0.0, start + pending[0].arrival_s - time.time()))
+            wait_until(start + pending[0].arrival_s)
             continue
         for out in engine.step():
             if out.finished:
@@ -193,9 +207,7 @@ def run_fleet(
             side = Side(name)
             start = time.time()
             for r in wl.requests:
-                delay = start + r.arrival_s - time.time()
-                if delay > 0:
-                    time.sleep(delay)
+                wait_until(start + r.arrival_s)
                 h = client.submit(
                     prompt=list(r.prompt_token_ids),
                     max_tokens=r.max_tokens,

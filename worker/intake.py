@@ -160,24 +160,44 @@ class Intake:
     def pull(self, budget: int) -> list[Entry]:
         """Read up to ``budget`` new entries without blocking, in :meth:`order` (one round
         trip: the ``PULL`` script)."""
-        if budget <= 0:
-            return []
-        order = self.order()
-        keys, args = self._pull_keys_args(order, budget)
-        reply: Any
-        try:
-            reply = registry.call(self.client, PULL, keys, args)
-        except redis.ResponseError as exc:
-            reply = exc
-        return self.parse_pull(order, reply)
+        return self.send_read(budget).receive() if budget > 0 else []
+
+    def send_read(
+        self, budget: int, *, block_ms: int | None = None, connection: Any = None
+    ) -> PendingRead:
+        """Send a read without waiting for it: the ``PULL`` script for up to ``budget`` entries
+        (``block_ms`` None), else ``XREADGROUP COUNT 1 BLOCK block_ms`` on every stream, which
+        answers at the first arrival with one entry per stream that has one. ``connection``:
+        see ``ScriptPipeline``."""
+        pipe = ScriptPipeline(self.client, connection)
+        order: list[Priority] | None = None
+        if block_ms is None:
+            order = self.order()
+            keys, args = self._pull_keys_args(order, budget)
+            pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
+        else:
+            streams = list(self.streams.values())
+            pipe.command(
+                "XREADGROUP",
+                "GROUP",
+                CONSUMER_GROUP,
+                self.worker_name,
+                "COUNT",
+                1,
+                "BLOCK",
+                block_ms,
+                "STREAMS",
+                *streams,
+                *([">"] * len(streams)),
+                raise_errors=False,
+            )
+        pipe.send()
+        return PendingRead(self, pipe, order)
 
     def parse_pull(self, order: Sequence[Priority], reply: Any) -> list[Entry]:
         """Entries of a ``PULL`` reply; updates the anti-starvation counts. A reply that is a
         NOGROUP error (a stream deleted under us) recreates the groups and yields nothing."""
-        if isinstance(reply, Exception):
-            if "NOGROUP" not in str(reply):
-                raise reply
-            self.ensure_groups()
+        if self.lost_groups(reply):
             return []
         values = registry.check_reply(PULL, reply)
         levels_read = int(values[1])
@@ -193,25 +213,15 @@ class Intake:
     ) -> tuple[list[str], list[Any]]:
         return [self.streams[p] for p in order], [CONSUMER_GROUP, self.worker_name, budget]
 
-    def wait(self, block_ms: int) -> list[Entry]:
-        """Block up to ``block_ms`` until any stream has a new entry; read one per ready stream."""
-        return self._read(dict.fromkeys(self.streams.values(), ">"), 1, block_ms)
-
-    def _read(self, streams: dict[Any, Any], count: int, block_ms: int | None) -> list[Entry]:
-        try:
-            reply = self.client.xreadgroup(
-                CONSUMER_GROUP,
-                self.worker_name,
-                streams,
-                count=count,
-                block=block_ms,
-            )
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            self.ensure_groups()  # the stream was deleted (e.g. FLUSHALL): recreate and go on
-            return []
-        return self.entries(reply)
+    def lost_groups(self, reply: Any) -> bool:
+        """True if ``reply`` is a NOGROUP error (a stream was deleted, e.g. by FLUSHALL): the
+        groups are recreated. Any other error reply is raised."""
+        if not isinstance(reply, Exception):
+            return False
+        if "NOGROUP" not in str(reply):
+            raise reply
+        self.ensure_groups()
+        return True
 
     def entries(self, reply: Any) -> list[Entry]:
         """Parse an XREADGROUP or ``PULL`` reply (a list of ``[stream, messages]``) into entries."""
@@ -262,8 +272,20 @@ class Intake:
         self, entries: Iterable[Entry], early: Sequence[Job], budget: int
     ) -> tuple[list[Job], StartReport, list[Entry]]:
         """:meth:`start`, plus :meth:`pull` of up to ``budget`` new entries in the same round
-        trip (the reader's follow-up read costs no round trip of its own). Returns the jobs,
-        the report and the entries pulled, which the caller must start in turn."""
+        trip. Returns the jobs, the report and the entries pulled, which the caller must start
+        in turn."""
+        return self.send_start(entries, early, budget).receive()
+
+    def send_start(
+        self,
+        entries: Iterable[Entry],
+        early: Sequence[Job] = (),
+        budget: int = 0,
+        *,
+        connection: Any = None,
+    ) -> PendingStart:
+        """Send :meth:`start_and_pull`'s round trip without waiting for it (entries that do not
+        decode are dead-lettered now, synchronously). ``connection``: see ``ScriptPipeline``."""
         report = StartReport()
         known = {job.entry.key: job.request for job in early}
         decoded: list[tuple[Entry, GenerationRequest]] = []
@@ -274,10 +296,8 @@ class Intake:
             except ProtocolError as exc:
                 self.dead_letter(entry, str(exc), exc.request_id)
                 report.dead_lettered.append(entry.priority)
-        if not decoded:
-            return [], report, self.pull(budget)
         now = time.time()
-        pipe = ScriptPipeline(self.client)
+        pipe = ScriptPipeline(self.client, connection)
         for entry, req in decoded:
             rid = req.request_id
             pipe.script(
@@ -297,8 +317,17 @@ class Intake:
         if order:
             keys, args = self._pull_keys_args(order, budget)
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
-        replies = pipe.execute()
-        pulled = self.parse_pull(order, replies.pop()) if order else []
+        pipe.send()
+        return PendingStart(self, pipe, decoded, order, report, budget if order else 0)
+
+    def started(
+        self,
+        decoded: Sequence[tuple[Entry, GenerationRequest]],
+        replies: Sequence[Any],
+        report: StartReport,
+    ) -> list[Job]:
+        """Apply ``START``'s replies: jobs for the entries it started; the others finished
+        (or dead-lettered) here and counted in ``report``."""
         jobs: list[Job] = []
         for (entry, req), reply in zip(decoded, replies, strict=True):
             values = reply
@@ -349,7 +378,7 @@ class Intake:
                 )
                 report.poisoned.append(entry.priority)
             # "terminal": the script already acked and deleted the entry
-        return jobs, report, pulled
+        return jobs
 
     def decode(self, entry: Entry) -> GenerationRequest:
         """Decode and validate an entry's payload; ``ProtocolError`` names the fault."""
@@ -441,3 +470,56 @@ class Intake:
         pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
         pipe.xdel(entry.stream, entry.entry_id)
         pipe.execute()
+
+
+class PendingRead:
+    """A read sent by :meth:`Intake.send_read`, its reply not read yet."""
+
+    def __init__(self, intake: Intake, pipe: ScriptPipeline, order: list[Priority] | None) -> None:
+        self._intake = intake
+        self._pipe = pipe
+        self._order = order
+        self.blocking = order is None  # an XREADGROUP ... BLOCK, not a PULL
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the reply has arrived (waiting up to ``timeout_s`` for it)."""
+        return self._pipe.ready(timeout_s)
+
+    def receive(self) -> list[Entry]:
+        """The entries read (waits for the reply if need be); they are now this worker's."""
+        (reply,) = self._pipe.receive()
+        if self._order is not None:
+            return self._intake.parse_pull(self._order, reply)
+        return [] if self._intake.lost_groups(reply) else self._intake.entries(reply)
+
+
+class PendingStart:
+    """A ``START`` round trip sent by :meth:`Intake.send_start`, its replies not read yet."""
+
+    def __init__(
+        self,
+        intake: Intake,
+        pipe: ScriptPipeline,
+        decoded: list[tuple[Entry, GenerationRequest]],
+        order: list[Priority],
+        report: StartReport,
+        pull_budget: int,
+    ) -> None:
+        self._intake = intake
+        self._pipe = pipe
+        self._decoded = decoded
+        self._order = order
+        self._report = report
+        self.pull_budget = pull_budget  # entries the round trip pulls at most
+        self.num_entries = len(decoded)  # entries it starts
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the replies have arrived (waiting up to ``timeout_s`` for them)."""
+        return self._pipe.ready(timeout_s)
+
+    def receive(self) -> tuple[list[Job], StartReport, list[Entry]]:
+        """(jobs started, report, entries pulled); waits for the replies if need be."""
+        replies = self._pipe.receive()
+        pulled = self._intake.parse_pull(self._order, replies.pop()) if self._order else []
+        jobs = self._intake.started(self._decoded, replies, self._report)
+        return jobs, self._report, pulled

@@ -43,8 +43,11 @@ def sha_of(script: LuaScript) -> str:
 class ScriptPipeline:
     """A non-transactional pipeline of scripts and plain commands, sent in one round trip."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, connection: Any = None) -> None:
+        """``connection``: send on this connection (owned by the caller, never released to the
+        pool) instead of one taken from ``client``'s pool for the round trip."""
         self.client = client
+        self._own = connection
         self._commands: list[tuple[KeyOrArg, ...]] = []
         self._calls: list[tuple[LuaScript, list[KeyOrArg], list[KeyOrArg]] | None] = []
         self._tolerant: set[int] = set()  # indices whose error replies are returned, not raised
@@ -68,10 +71,24 @@ class ScriptPipeline:
         if not raise_errors:
             self._tolerant.add(len(self._calls) - 1)
 
-    def command(self, name: str, *args: KeyOrArg) -> None:
-        """Queue a plain command (its reply is returned as Redis sent it)."""
+    def command(self, name: str, *args: KeyOrArg, raise_errors: bool = True) -> None:
+        """Queue a plain command (its reply is returned as Redis sent it); ``raise_errors``
+        as for :meth:`script`."""
         self._commands.append((name, *args))
         self._calls.append(None)
+        if not raise_errors:
+            self._tolerant.add(len(self._calls) - 1)
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether a reply can be read without blocking (waiting up to ``timeout_s`` for one);
+        True when nothing is in flight."""
+        if self._conn is None:
+            return True
+        try:
+            return bool(self._conn.can_read(timeout=timeout_s))
+        except BaseException:
+            self._conn.disconnect()
+            raise
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -89,12 +106,13 @@ class ScriptPipeline:
         if not self._commands:
             return
         pool = self.client.connection_pool
-        conn = pool.get_connection()
+        conn = self._own if self._own is not None else pool.get_connection()
         try:
             conn.send_packed_command(conn.pack_commands(self._commands))
         except BaseException:
             conn.disconnect()  # a partial write leaves the protocol state unknown
-            pool.release(conn)
+            if self._own is None:
+                pool.release(conn)
             raise
         self._conn = conn
 
@@ -116,7 +134,8 @@ class ScriptPipeline:
             conn.disconnect()  # replies may be left unread: never hand this socket out again
             raise
         finally:
-            self.client.connection_pool.release(conn)
+            if self._own is None:
+                self.client.connection_pool.release(conn)
         retry = [
             i
             for i, reply in enumerate(replies)

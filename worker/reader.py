@@ -1,35 +1,45 @@
-"""The intake thread: reads and starts entries in the background, within an allowance.
+"""The intake's round trips, driven by the service loop between engine steps (no thread).
 
-The service loop computes, after every engine step, how many new requests its engine could
-admit and grants that as the reader's *allowance*. The reader pulls at most that many entries
-(``Intake.pull``, most urgent first); when none is waiting it blocks in Redis
-(``Intake.wait``, ``XREADGROUP ... BLOCK``), so an arriving request is read the moment it is
-added, with no round trip on the loop's side and no polling. Read entries are started in Redis
-and handed to the loop as :class:`Job` objects, which it adds to the engine before its next
-step. The ``START`` round trip also pulls what else the allowance takes
-(``Intake.start_and_pull``); when that pull comes back short, the streams were empty, so the
-next read blocks at once instead of pulling first: a lone arrival costs two round trips (the
-wait's reply, then ``START``), not three.
+Every loop iteration calls :meth:`IntakeReader.poll` with what its engine can admit now (the
+*budget*). The reader keeps at most one round trip in flight, on a connection of its own:
 
-Early start: a new request (not handed back, so nothing to resume) is handed over *before* its
-``START`` round trip, as an ``early`` job, and ``resolved`` once ``START`` has answered (as a
-job if it answered ok). The loop may put an early job into its engine at once but publishes
-nothing for it until it is resolved, and takes it out again if it did not become a job; a
-request thus joins the step that begins while its ``START`` is on the wire instead of the next.
+* a **read**: ``XREADGROUP ... BLOCK`` on every stream when the last read found them empty (it
+  answers at the first arrival, one entry per stream that has one), else the ``PULL`` script
+  (most urgent first, up to the budget);
+* a **start**: ``START`` for the entries just read plus a ``PULL`` of what else the budget takes,
+  in one pipeline (``Intake.send_start``); when that pull comes back short the streams were
+  empty, so the next read is a blocking one.
 
-Invariant (under ``_lock``): ``_allowance + _reading + len(_ready)`` never exceeds the last
-budget the loop granted, except that one blocking wait reads up to one entry per stream even
-when the allowance is smaller (every entry read is started and handed over: none is left
-unstarted in this worker's pending list); the loop grants ``budget - _reading - len(_ready)``.
+``poll`` reads a reply only once it has arrived (an idle loop passes a timeout and sleeps on the
+socket), hands over what it produced and sends the next round trip. A request that arrives
+during an engine step is read when the step ends and goes into the engine before the next one;
+its ``START`` travels during that step. Nothing runs concurrently with the engine: an intake
+*thread* made the step an arrival landed in about 0.9 ms longer (the GIL changing hands in the
+middle of the step, measured in issue 5's notes), and every new request paid that in TTFT.
+
+A blocking read is armed only while the engine has room: when the budget drops to zero it is
+cancelled (``CLIENT UNBLOCK`` from another connection, which makes it answer at once), so a full
+worker leaves arrivals in Redis for others. Exception: one blocking read reads up to one entry
+per stream, so it can exceed a budget smaller than the number of streams; every entry read is
+started and handed over (none is left unstarted in this worker's pending list).
+
+Early start: a new request (not handed back, so nothing to resume) is handed over as an
+``early`` job as soon as it is read, before its ``START`` has answered, and ``resolved`` once
+it has (as a job too if it answered ok). The loop may put an early job into its engine at once
+but publishes nothing for it until it is resolved, and takes it out again if it did not become a
+job. Handed-back entries (``h`` field) wait for ``START``, which returns their tokens.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
+import redis
+
+from tokenfleet.worker.intake import Entry, Intake, Job, PendingRead, PendingStart, StartReport
 
 log = logging.getLogger(__name__)
 
@@ -48,113 +58,127 @@ class Delivery:
 
 
 class IntakeReader:
-    """Runs ``Intake`` reads on a thread of its own (see the module docstring)."""
+    """Reads and starts entries with round trips the loop drives (see the module docstring).
 
-    def __init__(self, intake: Intake, *, block_ms: int, busy_block_ms: int = 100) -> None:
+    Invariants: at most one of ``_read`` / ``_start`` is in flight, on ``_conn``; ``_held``
+    counts the entries of the start in flight that were not handed over early (they will need
+    engine room once started).
+    """
+
+    def __init__(self, intake: Intake, *, block_ms: int) -> None:
         self.intake = intake
         self.block_ms = block_ms
-        self.busy_block_ms = busy_block_ms
-        self._lock = threading.Condition()
-        self._allowance = 0  # entries the reader may still read
-        self._reading = 0  # entries reserved by the read in progress
-        self._ready = Delivery()
-        self._idle = True  # the engine runs nothing: block longer
-        self._stop = False
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="intake", daemon=True)
-
-    def start(self) -> IntakeReader:
-        self._thread.start()
-        return self
-
-    def grant(self, budget: int, *, idle: bool) -> None:
-        """Allow reads up to ``budget`` admissions, minus what is being read or waiting."""
-        with self._lock:
-            self._allowance = max(0, budget - self._reading - len(self._ready.jobs))
-            self._idle = idle
-            if self._allowance:
-                self._lock.notify_all()
+        self._conn: Any = None
+        self._conn_id: int | None = None  # CLIENT ID of _conn, for CLIENT UNBLOCK
+        self._read: PendingRead | None = None
+        self._start: PendingStart | None = None
+        self._early_ids: list[str] = []  # early jobs of the start in flight
+        self._held = 0
+        self._drained = False  # the last read found nothing waiting: block next time
+        self._stopped = False
 
     @property
-    def alive(self) -> bool:
-        """The thread runs (started, not stopped, not failed)."""
-        return self._thread.is_alive()
+    def held(self) -> int:
+        """Entries read and being started that are not in the engine yet."""
+        return self._held
 
-    def pending(self) -> int:
-        """Jobs started and not yet taken (they will need engine room). A read in progress is
-        not counted: it is usually a blocking wait for entries that may never come, and claims
-        of dead workers' requests must not starve behind it."""
-        with self._lock:
-            return len(self._ready.jobs)
+    def poll(self, budget: int, timeout_s: float = 0.0) -> Delivery:
+        """Take in the replies that have arrived (waiting up to ``timeout_s`` for the first),
+        hand over what they produced, and leave the next round trip in flight within
+        ``budget`` (what the engine can admit now, early jobs handed over before included)."""
+        out = Delivery()
+        room = budget - self._held
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._read is None and self._start is None:
+                if not self._stopped and room > 0:
+                    self._send_read(room)
+            elif self._read is not None and self._read.blocking and room <= 0:
+                self._unblock()  # no room: leave arrivals to other workers
+            pending = self._read or self._start
+            if pending is None or out:
+                return out
+            if not pending.ready(max(0.0, deadline - time.monotonic())):
+                return out
+            room -= self._advance(out, room)
 
-    def take(self, timeout_s: float = 0.0) -> Delivery:
-        """What the reader has started since the last call; waits up to ``timeout_s`` for some."""
-        with self._lock:
-            if not self._ready and timeout_s > 0:
-                self._lock.wait(timeout_s)
-            out, self._ready = self._ready, Delivery()
-            if self.error is not None:
-                raise self.error
-            return out
+    def resolve(self) -> Delivery:
+        """Wait for the ``START`` in flight, if any, and hand over what it produced (the loop
+        needs an early job's answer before it publishes the job's tokens)."""
+        out = Delivery()
+        if self._start is not None:
+            self._advance(out, 0)
+        return out
 
     def stop(self) -> Delivery:
-        """Stop reading, wait for the read in progress, and return what is left to take."""
-        with self._lock:
-            self._stop = True
-            self._allowance = 0
-            self._lock.notify_all()
-        self._thread.join()
-        with self._lock:
-            out, self._ready = self._ready, Delivery()
-            return out
+        """Stop reading: cancel a blocking read, finish what is in flight (entries already read
+        are started: they are this worker's now) and hand it over. Idempotent."""
+        self._stopped = True
+        out = Delivery()
+        if self._read is not None and self._read.blocking:
+            self._unblock()
+        while self._read is not None or self._start is not None:
+            self._advance(out, 0)
+        return out
 
-    def _start(self, entries: list[Entry], left: int) -> tuple[list[Entry], bool, int]:
-        """Hand ``entries`` over (early first), start them and, in the same round trip, pull
-        up to ``left`` more. Returns (entries pulled, whether that pull left none waiting,
-        allowance left)."""
+    def close(self) -> None:
+        """Drop the connection (after :meth:`stop`)."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
+
+    # -- internals ----------------------------------------------------------------------------
+    def _connection(self) -> Any:
+        if self._conn is None:
+            pool = self.intake.client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+            conn.send_command("CLIENT", "ID")
+            self._conn_id = int(conn.read_response())
+            self._conn = conn
+        return self._conn
+
+    def _send_read(self, room: int) -> None:
+        block_ms = self.block_ms if self._drained else None
+        self._read = self.intake.send_read(room, block_ms=block_ms, connection=self._connection())
+
+    def _unblock(self) -> None:
+        """Make the blocking read in flight answer now (with what it has read, if anything)."""
+        if self._conn_id is not None:
+            try:
+                self.intake.client.client_unblock(self._conn_id)
+            except redis.ResponseError:  # pragma: no cover - every supported Redis has it
+                log.exception("CLIENT UNBLOCK failed; the read ends at its timeout")
+        assert self._read is not None
+        self._read.blocking = False  # unblocked once; its reply comes back at once
+
+    def _advance(self, out: Delivery, room: int) -> int:
+        """Read the reply in flight into ``out`` and send what follows (a start for what was
+        read, within ``room``). Returns how many entries were read."""
+        if self._read is not None:
+            read, self._read = self._read, None
+            entries = read.receive()
+            self._drained = not entries
+            if entries:
+                self._send_start(out, entries, room - len(entries))
+            return len(entries)
+        start, self._start = self._start, None
+        assert start is not None
+        jobs, report, pulled = start.receive()
+        self._held = 0
+        out.jobs.extend(jobs)
+        out.reports.append(report)
+        out.resolved.extend(self._early_ids)
+        self._early_ids = []
+        budget = start.pull_budget
+        self._drained = budget > 0 and len(pulled) < budget
+        if pulled:
+            self._send_start(out, pulled, room - len(pulled))
+        return len(pulled)
+
+    def _send_start(self, out: Delivery, entries: list[Entry], room: int) -> None:
         early = self.intake.early_jobs(entries)
-        if early:
-            with self._lock:
-                self._ready.early.extend(early)
-                self._lock.notify_all()
-        budget = 0 if self._stop else max(0, left)
-        jobs, report, pulled = self.intake.start_and_pull(entries, early, budget)
-        with self._lock:
-            self._reading = max(0, self._reading - len(entries))
-            self._ready.jobs.extend(jobs)
-            self._ready.reports.append(report)
-            self._ready.resolved.extend(j.request_id for j in early)
-            self._lock.notify_all()
-        return pulled, budget > 0 and len(pulled) < budget, left - len(pulled)
-
-    def _run(self) -> None:
-        drained = False  # the last read left no entry waiting: block next time, don't pull
-        try:
-            while True:
-                with self._lock:
-                    while not self._stop and self._allowance <= 0:
-                        self._lock.wait()
-                    if self._stop:
-                        return
-                    n, self._reading, self._allowance = self._allowance, self._allowance, 0
-                    block_ms = self.block_ms if self._idle else self.busy_block_ms
-                entries = [] if drained else self.intake.pull(n)
-                if not entries:
-                    # woken by the first arrival: start it at once; the START round trip pulls
-                    # what else the allowance takes. A wait reads at most one entry per stream,
-                    # so it can exceed a small allowance by a stream or two; those must be
-                    # started too (they are in this worker's pending list now).
-                    entries = self.intake.wait(block_ms)
-                    drained = not entries  # the wait timed out: nothing new on any stream
-                left = n - len(entries)
-                while entries:
-                    entries, drained, left = self._start(entries, left)
-                with self._lock:
-                    self._reading = 0
-                    # what was not read frees its share of the allowance
-                    self._allowance += max(0, left) if not self._stop else 0
-        except BaseException as exc:  # surfaced to the loop by take()
-            log.exception("intake thread failed")
-            with self._lock:
-                self.error = exc
-                self._lock.notify_all()
+        out.early.extend(early)
+        self._early_ids = [job.request_id for job in early]
+        self._held = len(entries) - len(early)
+        budget = 0 if self._stopped else max(0, room)
+        self._start = self.intake.send_start(entries, early, budget, connection=self._connection())

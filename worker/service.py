@@ -3,8 +3,8 @@
 One iteration::
 
     heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
-    claim_interval_s); grant the intake thread what the engine can admit now and add what it
-    has started (waiting for it only when the engine is idle); engine.step(); read and apply
+    claim_interval_s); poll the intake within what the engine can admit now and add what it
+    read and started (waiting on Redis only when the engine is idle); engine.step(); read and apply
     the previous step's publish replies, then send this step's publish (tokens, finishes,
     cancel check: one pipelined round trip) without waiting for its replies; abort what was
     cancelled.
@@ -14,12 +14,14 @@ before ``engine.step()`` (the engine's block limit, a preemption order), adds th
 same publish round trip, applies its reply with the publish's results, keeps the lease alive while
 idle, and leaves the pool on shutdown.
 
-Two threads, one owner each: the loop owns the engine, ``jobs`` and publishing; the intake
-thread (``reader.IntakeReader``) owns reading (``XREADGROUP``, blocking when nothing waits) and
-starting entries. A step's publish is written the moment the step ends and its replies are read
-after the next step (one in flight, in step order), so the round trip overlaps engine compute
-and no thread hand-off delays the tokens: a publisher thread cost each first token about half a
-millisecond of wake-up and GIL hand-over, and its Python work contended with the engine's.
+One thread: the loop owns the engine, ``jobs``, publishing and the intake's round trips
+(``reader.IntakeReader``: at most one read or start in flight on its own connection). Every round
+trip is written without waiting and its reply is read at a later step boundary, so Redis works
+while the engine computes and nothing competes with the engine for the GIL mid-step: a publisher
+thread cost each first token about half a millisecond of wake-up and GIL hand-over, and an
+intake thread made the step a request arrived in about 0.9 ms longer. A step's publish is
+written the moment the step ends and its replies are read after the next step (one in flight,
+in step order).
 
 Step-exception policy: an exception raised by ``engine.step()`` gives every request in the
 engine a terminal ``error`` event (code ``engine_error``), aborts them, and the worker keeps
@@ -189,7 +191,6 @@ class WorkerService:
         if self.pool is not None:
             self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
         self._beat()
-        self.reader.start()
         log.info(
             "worker %s ready: model %s, priorities %s",
             self.ws.name,
@@ -213,15 +214,14 @@ class WorkerService:
                     next_beat = now + self.ws.heartbeat_interval_s
                 if grace_deadline is None:
                     if now >= next_claim:
-                        budget = self._budget() - self.reader.pending()
+                        budget = self._budget() - self.reader.held
                         self._admit(self.claimer.claim(budget), claimed=True)
                         next_claim = now + self.ws.claim_interval_s
                     idle = not self.engine.has_unfinished()
-                    self.reader.grant(self._budget(), idle=idle)
                     wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
                     if idle and self.pool is not None:
                         wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
-                    self._deliver(self.reader.take(wait_s))
+                    self._deliver(self.reader.poll(self._budget(), max(0.0, wait_s)))
                 if self.engine.has_unfinished():
                     self._step()
                     if self.exit_code:
@@ -235,13 +235,18 @@ class WorkerService:
                     self.hand_back_all()
                     break
         finally:
-            leftover = self.reader.stop()  # started but never added: claimable once we are gone
-            if leftover.jobs:
-                log.warning(
-                    "worker %s: %d started requests left for recovery",
-                    self.ws.name,
-                    len(leftover.jobs),
-                )
+            try:
+                leftover = self.reader.stop()  # started, never added: claimable once we are gone
+                if leftover.jobs:
+                    log.warning(
+                        "worker %s: %d started requests left for recovery",
+                        self.ws.name,
+                        len(leftover.jobs),
+                    )
+            except Exception:  # already failing: the heartbeat must still go
+                log.exception("worker %s: the intake's last round trip failed", self.ws.name)
+            finally:
+                self.reader.close()
             try:
                 self.flush()
             except Exception:  # already failing: the heartbeat must still go
@@ -272,7 +277,7 @@ class WorkerService:
         return max(0, min(cap.free_seq_slots, by_kv))
 
     def _deliver(self, delivery: Delivery) -> None:
-        """Take in what the intake thread has: early jobs go into the engine at once, started
+        """Take in what the intake read and started: early jobs go into the engine at once, started
         jobs become ours, and early jobs whose ``START`` did not answer ok leave the engine."""
         for report in delivery.reports:
             self._count(report)
@@ -341,9 +346,8 @@ class WorkerService:
         """Wait until every id in ``rids`` that is still early has its ``START`` answer (it is
         on the wire since before the step that produced its tokens: normally here already)."""
         while any(rid in self._early for rid in rids):
-            delivery = self.reader.take(timeout_s=0.5)  # raises the intake thread's error
-            if not delivery and not self.reader.alive:
-                # stopped, and what it had was delivered: cannot be early any more
+            delivery = self.reader.resolve()
+            if not delivery:  # no START in flight: these cannot be answered any more
                 for rid in [r for r in rids if r in self._early]:
                     self._drop_early(rid, None)
                 return

@@ -2,7 +2,7 @@
 ``START`` is on the wire, and nothing is published for it until ``START`` has answered.
 
 The service's loop is driven by hand (``_deliver``, ``_step``) with a stand-in for the intake
-thread that hands over ``START``'s answer when the loop asks for it, so each ordering is exact.
+reader that hands over ``START``'s answer when the loop asks for it, so each ordering is exact.
 """
 
 from __future__ import annotations
@@ -37,15 +37,14 @@ MAX_TOKENS = 8
 
 
 class AnsweringReader:
-    """Stands in for ``IntakeReader``: ``take`` hands over the queued deliveries one by one."""
+    """Stands in for ``IntakeReader``: ``resolve`` hands over the queued deliveries one by one."""
 
     def __init__(self, *deliveries: Delivery) -> None:
         self.deliveries = list(deliveries)
-        self.takes = 0
-        self.alive = True
+        self.resolves = 0
 
-    def take(self, timeout_s: float = 0.0) -> Delivery:
-        self.takes += 1
+    def resolve(self) -> Delivery:
+        self.resolves += 1
         return self.deliveries.pop(0) if self.deliveries else Delivery()
 
 
@@ -93,7 +92,7 @@ def test_early_request_publishes_only_once_started(
     reader = AnsweringReader(Delivery(jobs=jobs, reports=[report], resolved=["e1"]))
     service.reader = reader  # type: ignore[assignment]
     service._step()  # the first token is computed before the answer is taken
-    assert reader.takes == 1 and "e1" in service.jobs and not service._early
+    assert reader.resolves == 1 and "e1" in service.jobs and not service._early
     _run_to_end(service)
     events = token_events(r, keys, "e1")
     assert [e.index for e in events] == list(range(MAX_TOKENS))

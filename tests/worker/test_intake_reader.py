@@ -3,7 +3,7 @@ relies on it, against the real server."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,7 +14,7 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.scripts.worker import START
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake import Intake, Job
+from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.reader import IntakeReader
 
 NORMAL = "tft:q:default:normal"
@@ -84,57 +84,67 @@ def test_start_and_pull_pulls_even_when_every_entry_was_dead_lettered(
 
 
 class Spy:
-    """Counts calls of some of an ``Intake``'s methods (the reader calls them by attribute)."""
+    """Records the round trips an ``Intake`` sends (the reader calls them by attribute)."""
 
-    def __init__(self, intake: Intake, names: tuple[str, ...]) -> None:
-        self.calls: dict[str, int] = dict.fromkeys(names, 0)
-        for name in names:
-            setattr(intake, name, self._wrap(name, getattr(intake, name)))
+    def __init__(self, intake: Intake) -> None:
+        self.sent: list[str] = []
+        send_read, send_start = intake.send_read, intake.send_start
 
-    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
+        def read(budget: int, *, block_ms: int | None = None, connection: Any = None) -> Any:
+            self.sent.append("pull" if block_ms is None else "wait")
+            return send_read(budget, block_ms=block_ms, connection=connection)
 
-        return counted
+        def start(*args: Any, **kwargs: Any) -> Any:
+            self.sent.append("start")
+            return send_start(*args, **kwargs)
+
+        intake.send_read = read  # type: ignore[method-assign]
+        intake.send_start = start  # type: ignore[method-assign]
 
 
 @pytest.fixture
 def reader_and_spy(r: redis.Redis, settings: Settings) -> Iterator[tuple[IntakeReader, Spy]]:
     intake = make_intake(r, settings)
-    spy = Spy(intake, ("pull", "wait", "start_and_pull"))
-    reader = IntakeReader(intake, block_ms=5_000, busy_block_ms=5_000).start()
+    spy = Spy(intake)
+    reader = IntakeReader(intake, block_ms=60_000)
     try:
         yield reader, spy
     finally:
         reader.stop()
+        reader.close()
+
+
+def _take(reader: IntakeReader, budget: int, n: int) -> list[str]:
+    """Poll as an engine with ``budget`` free slots would until ``n`` jobs have started."""
+    admitted: set[str] = set()
+    got: list[str] = []
+    while len(got) < n:
+        delivery = reader.poll(budget - len(admitted), 10.0)
+        admitted.update(j.request_id for j in delivery.early + delivery.jobs)
+        got += [j.request_id for j in delivery.jobs]
+    return got
 
 
 def test_a_lone_arrival_costs_the_wait_and_one_start_round_trip(
     reader_and_spy: tuple[IntakeReader, Spy], r: redis.Redis, keys: Keys
 ) -> None:
     reader, spy = reader_and_spy
-    reader.grant(10, idle=True)
-    wait_for(lambda: spy.calls["wait"] == 1, "the reader to block in its first wait")
-    assert spy.calls["pull"] == 1  # the first read pulls: what waits from before is taken
+    assert not reader.poll(10, 0.05)  # nothing waits: the pull comes back empty
+    assert spy.sent == ["pull", "wait"]  # ... and the next read blocks
     for i in range(3):
         enqueue(r, keys, make_request(f"g{i}"))
-        got: list[Job] = []
-        while not got:
-            got = reader.take(10.0).jobs
-        assert [j.request_id for j in got] == [f"g{i}"]
-        reader.grant(9 - i, idle=False)
-    wait_for(lambda: spy.calls["wait"] == 4, "the reader to block again")
-    # each arrival: the wait's reply, then START with the follow-up pull; no pull of its own
-    assert spy.calls == {"pull": 1, "wait": 4, "start_and_pull": 3}
+        delivery = reader.poll(10, 10.0)  # the wait answers: an early job, START sent
+        assert [j.request_id for j in delivery.early] == [f"g{i}"] and delivery.jobs == []
+        assert _take(reader, 9, 1) == [f"g{i}"]
+    # each arrival: the wait's reply, then START with a follow-up pull; never a pull of its own
+    assert spy.sent == ["pull", "wait"] + ["start", "wait"] * 3
 
 
-def test_a_burst_is_read_by_the_wait_and_the_start_round_trips_within_the_allowance(
+def test_a_burst_is_read_by_the_wait_and_the_start_round_trips_within_the_budget(
     reader_and_spy: tuple[IntakeReader, Spy], r: redis.Redis, keys: Keys
 ) -> None:
     reader, spy = reader_and_spy
-    reader.grant(4, idle=True)
-    wait_for(lambda: spy.calls["wait"] == 1, "the reader to block in its first wait")
+    assert not reader.poll(4, 0.05)  # the blocking read is armed
     for i in range(5):
         r.hset(keys.record(f"b{i}"), mapping={"status": "queued", "stream_id": f"{i + 1}-0"})
     pipe = r.pipeline(transaction=True)  # five arrivals at once: the wait wakes on the first
@@ -142,12 +152,35 @@ def test_a_burst_is_read_by_the_wait_and_the_start_round_trips_within_the_allowa
         entry: dict[Any, Any] = {"id": f"b{i}", "d": make_request(f"b{i}").encode(), "dl": ""}
         pipe.xadd(NORMAL, entry, id=f"{i + 1}-0")
     pipe.execute()
-    got: list[str] = []
-    while len(got) < 4:
-        got += [j.request_id for j in reader.take(10.0).jobs]
-    assert got == ["b0", "b1", "b2", "b3"]
+    assert _take(reader, 4, 4) == ["b0", "b1", "b2", "b3"]
+    assert spy.sent == ["pull", "wait", "start", "start"]  # b1-b3 came with b0's START
     assert r.xpending(NORMAL, CONSUMER_GROUP)["pending"] == 4  # b4 waits for room, in Redis
-    reader.grant(1, idle=False)
-    while len(got) < 5:
-        got += [j.request_id for j in reader.take(10.0).jobs]
-    assert got[4] == "b4"
+    assert _take(reader, 1, 1) == ["b4"]
+
+
+def test_a_full_engine_cancels_the_blocking_read(
+    reader_and_spy: tuple[IntakeReader, Spy], r: redis.Redis, keys: Keys
+) -> None:
+    reader, _ = reader_and_spy
+    assert not reader.poll(2, 0.05)  # the blocking read is armed
+    assert not reader.poll(0, 0.5)  # no room: CLIENT UNBLOCK, and it came back empty
+    assert r.info("clients")["blocked_clients"] == 0
+    enqueue(r, keys, make_request("late"))
+    assert not reader.poll(0, 0.3)
+    assert r.xpending(NORMAL, CONSUMER_GROUP)["pending"] == 0  # left in Redis for others
+    assert _take(reader, 1, 1) == ["late"]
+
+
+def test_stop_cancels_the_blocking_read_and_starts_what_it_read(
+    reader_and_spy: tuple[IntakeReader, Spy], r: redis.Redis, keys: Keys
+) -> None:
+    reader, _ = reader_and_spy
+    assert not reader.poll(2, 0.05)  # the blocking read is armed (for a minute)
+    enqueue(r, keys, make_request("s1"))
+    wait_for(lambda: r.xpending(NORMAL, CONSUMER_GROUP)["pending"] == 1, "the read to take s1")
+    left = reader.stop()
+    assert [j.request_id for j in left.jobs] == ["s1"]  # read, so started and handed over
+    rec = record(r, keys, "s1")
+    assert rec is not None and rec.status == "running"
+    assert not reader.stop()  # idempotent, and no read is armed any more
+    assert r.info("clients")["blocked_clients"] == 0

@@ -244,7 +244,7 @@ def test_start_reuses_early_decoding_per_stream_and_entry(
         assert rec is not None and rec.status == "running" and rec.attempts == 1
 
 
-def test_intake_reader_never_takes_more_than_granted(
+def test_intake_reader_never_takes_more_than_the_engine_can_admit(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     from tokenfleet.worker.reader import IntakeReader
@@ -252,19 +252,20 @@ def test_intake_reader_never_takes_more_than_granted(
     intake = make_intake(r, settings)
     for i in range(5):
         enqueue(r, keys, make_request(f"g{i}"))
-    reader = IntakeReader(intake, block_ms=50, busy_block_ms=50).start()
+    reader = IntakeReader(intake, block_ms=50)
     try:
-        reader.grant(2, idle=True)
-        got = reader.take(10.0).jobs
+        admitted: set[str] = set()  # what the engine holds: early jobs and started ones
+        got: list[str] = []
         while len(got) < 2:
-            got += reader.take(10.0).jobs
-        reader.grant(2 - len(got), idle=False)  # the engine admitted them: no room left
-        assert reader.take(0.3).jobs == []
+            delivery = reader.poll(2 - len(admitted), 10.0)
+            admitted.update(j.request_id for j in delivery.early + delivery.jobs)
+            got += [j.request_id for j in delivery.jobs]
+        assert not reader.poll(0, 0.3)  # no room left: nothing more is read
         assert len(got) == 2 and r.xpending(STREAM, CONSUMER_GROUP)["pending"] == 2
-        reader.grant(10, idle=True)
         while len(got) < 5:
-            got += reader.take(10.0).jobs
-        assert sorted(j.request_id for j in got) == [f"g{i}" for i in range(5)]
+            got += [j.request_id for j in reader.poll(10, 10.0).jobs]
+        assert sorted(got) == [f"g{i}" for i in range(5)]
     finally:
         left = reader.stop()
+        reader.close()
     assert left.jobs == []
