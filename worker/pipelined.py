@@ -29,7 +29,20 @@ import redis
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
 
+try:  # hiredis comes with redis[hiredis], a dependency; the fallback is redis-py's packer
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover
+    _hiredis_pack = None
+
 _SHAS: dict[str, str] = {}
+
+
+def pack(conn: Any, commands: Sequence[tuple[KeyOrArg, ...]]) -> list[bytes]:
+    """The wire bytes of ``commands``. hiredis packs each command in one C call; redis-py's
+    packer first walks every argument in Python (a third of a publish's CPU, measured)."""
+    if _hiredis_pack is None:
+        return list(conn.pack_commands(commands))
+    return [b"".join([_hiredis_pack(command) for command in commands])]
 
 
 def sha_of(script: LuaScript) -> str:
@@ -108,7 +121,7 @@ class ScriptPipeline:
         pool = self.client.connection_pool
         conn = self._own if self._own is not None else pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands(self._commands))
+            conn.send_packed_command(pack(conn, self._commands))
         except BaseException:
             conn.disconnect()  # a partial write leaves the protocol state unknown
             if self._own is None:

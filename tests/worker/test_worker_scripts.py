@@ -189,6 +189,21 @@ def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> 
     assert r.llen(keys.tokens("f")) == 1
 
 
+def test_pipeline_packing_matches_redis_py(r: redis.Redis) -> None:
+    from tokenfleet.worker.pipelined import pack
+
+    commands = [
+        ("EVALSHA", "ab" * 20, 2, "k:1", b"k:\xff", "w1", 0, repr(1.5), 60, b'{"a":"\xc3\xa9"}'),
+        ("SMISMEMBER", "tft:cancel", "r1", "r-2"),
+        ("XREADGROUP", "GROUP", "g", "c", "COUNT", 1, "BLOCK", 1000, "STREAMS", "s", ">"),
+    ]
+    conn = r.connection_pool.get_connection()
+    try:
+        assert b"".join(pack(conn, commands)) == b"".join(conn.pack_commands(commands))
+    finally:
+        r.connection_pool.release(conn)
+
+
 def test_script_pipeline_sends_now_and_reads_later(r: redis.Redis, keys: Keys) -> None:
     from tokenfleet.worker.pipelined import ScriptPipeline
 
