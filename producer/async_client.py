@@ -88,27 +88,30 @@ class AsyncClient:
         self, prompt: Any, params: dict[str, Any], *, timeout: float | None, try_only: bool
     ) -> AsyncHandle:
         prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
-        channel = self._keys.channel(prepared.request_id)
-        sub = await self._subscriber.subscribe(channel, self.subscribe_timeout_s, confirm=False)
-        try:
-            until = None if timeout is None else time.monotonic() + timeout
-            delay, growth, ceiling = ops.BLOCK_POLL
-            while True:
-                code, value = await self._enqueue(prepared, try_only)
-                if code in ("new", "exists"):
-                    return AsyncHandle(
-                        self,
-                        prepared.request_id,
-                        subscription=sub,
-                        deadline=prepared.deadline if code == "new" else None,
-                    )
-                if code != "full" or (until is not None and time.monotonic() + delay > until):
-                    raise ops.refusal(code, value)
-                await asyncio.sleep(delay)
-                delay = min(delay * growth, ceiling)
-        except BaseException:
-            sub.close()
-            raise
+        if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
+            raise redis.ConnectionError("the client is closed")
+        until = None if timeout is None else time.monotonic() + timeout
+        delay, growth, ceiling = ops.BLOCK_POLL
+        while True:
+            code, value = await self._enqueue(prepared, try_only)
+            if code in ("new", "exists"):
+                # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
+                # handle's first read waits for the confirmation and then reads the record and
+                # token list, so what was published before it is not lost (docs/protocol.md)
+                channel = self._keys.channel(prepared.request_id)
+                sub = await self._subscriber.subscribe(
+                    channel, self.subscribe_timeout_s, confirm=False
+                )
+                return AsyncHandle(
+                    self,
+                    prepared.request_id,
+                    subscription=sub,
+                    deadline=prepared.deadline if code == "new" else None,
+                )
+            if code != "full" or (until is not None and time.monotonic() + delay > until):
+                raise ops.refusal(code, value)
+            await asyncio.sleep(delay)
+            delay = min(delay * growth, ceiling)
 
     async def submit_many(
         self, requests: Sequence[str | Mapping[str, Any]]

@@ -128,6 +128,11 @@ class AsyncSubscriber:
             self._conn = None
 
     @property
+    def closed(self) -> bool:
+        """``aclose()`` was called: subscribing raises ``redis.ConnectionError``."""
+        return self._closed
+
+    @property
     def num_channels(self) -> int:
         """How many channels are listened to."""
         return len(self._table.channels)

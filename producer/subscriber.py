@@ -138,6 +138,11 @@ class Subscriber:
             thread.join(self._poll_s + 1.0)
 
     @property
+    def closed(self) -> bool:
+        """``close()`` was called: subscribing raises ``redis.ConnectionError``."""
+        return self._closed.is_set()
+
+    @property
     def num_channels(self) -> int:
         """How many channels are listened to (for tests and leak checks)."""
         with self._lock:

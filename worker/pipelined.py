@@ -21,7 +21,7 @@ it for the next user).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -29,6 +29,7 @@ import redis
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
 
+_hiredis_pack: Callable[[Any], bytes] | None
 try:  # hiredis comes with redis[hiredis], a dependency; the fallback is redis-py's packer
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover

@@ -148,6 +148,14 @@ def test_handles_release_their_subscription(client: Client) -> None:
     assert client._subscriber.num_channels == 0
 
 
+def test_a_closed_client_refuses_before_enqueueing(r: redis.Redis, settings: Settings) -> None:
+    client = Client(r, settings=settings)
+    client.close()
+    with pytest.raises(redis.ConnectionError, match="closed"):
+        client.submit("hi")
+    assert r.dbsize() == 0  # the caller got an error, so no request may exist either
+
+
 def test_record_fields_and_ttl(client: Client, r: redis.Redis, keys: Keys) -> None:
     handle = client.submit("x", deadline_s=60, metadata={"user": 7})
     record = client.status(handle.request_id)
