@@ -61,6 +61,10 @@ def test_token_ids_and_messages_round_trip() -> None:
         ({"prompt": "a", "prompt_token_ids": [1]}, "exactly one of"),
         ({"prompt_token_ids": []}, "prompt_token_ids is empty"),
         ({"prompt_token_ids": [1, -2]}, "prompt_token_ids must be integers"),
+        ({"prompt_token_ids": [1, 2**31]}, "prompt_token_ids must be integers"),
+        ({"prompt_token_ids": [1, True]}, "prompt_token_ids must be integers"),
+        ({"prompt_token_ids": [1, 2.0]}, "prompt_token_ids must be integers"),
+        ({"prompt_token_ids": [1, "2"]}, "prompt_token_ids must be integers"),
         ({"prompt": "bad \udcff text"}, "not valid UTF-8"),
         ({"prompt": b"\xff\xfe"}, "not valid UTF-8"),
         ({"messages": []}, "messages must be a non-empty list"),
@@ -165,3 +169,11 @@ def test_request_status_terminality() -> None:
     assert {s for s in RequestStatus if s.is_terminal} == {
         RequestStatus(t.value) for t in TerminalStatus
     }
+
+
+def test_token_ids_accept_int_subclasses_but_not_bools() -> None:
+    class TokenId(int):
+        pass
+
+    req = make(prompt_token_ids=[TokenId(5), 0, 2**31 - 1])
+    assert req.prompt_token_ids == (5, 0, 2**31 - 1)
