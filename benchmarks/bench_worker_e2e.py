@@ -16,9 +16,10 @@ The light workload comes from the engine benchmark's generator (64 requests at 2
 prompts 16-128 tokens, max_tokens 16-128); the heavy one has max_tokens 32-192.
 
 Throughput = output tokens / (last terminal event - workload start). TTFT = first token seen by
-the client (fleet) or sampled (engine) - scheduled arrival. Both sides wait for an arrival the
-same way (``wait_until``: sleep, then spin the last millisecond), so that neither side's TTFT
-includes the load generator's own wake-up lateness. ``--rounds N`` repeats the light pair
+the client (fleet) or by the caller of ``Engine.step()`` (engine: when the step that sampled it
+returns) - scheduled arrival. Both sides wait for an arrival the same way (``wait_until``:
+sleep, then spin the last millisecond), so that neither side's TTFT includes the load
+generator's own wake-up lateness. ``--rounds N`` repeats the light pair
 (engine, fleet-1) N times, alternating which side goes first, and reports each round and the
 medians: on a shared machine the load drifts between two sides measured one after the other, and
 a pair measured close together is the fairer comparison. Run::
@@ -114,7 +115,9 @@ def run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
     engine.block_manager.reset_prefix_cache()
     side = Side("engine")
     pending = deque(wl.requests)
+    first_seen: dict[str, float] = {}
     start = time.time()
+    arrival = {r.request_id: start + r.arrival_s for r in wl.requests}
     last = start
     while pending or engine.has_unfinished():
         now = time.time()
@@ -127,14 +130,17 @@ def run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
         if not engine.has_unfinished():
             wait_until(start + pending[0].arrival_s)
             continue
-        for out in engine.step():
+        outputs = engine.step()
+        seen = time.time()  # the caller has this step's tokens now (the fleet: the client)
+        for out in outputs:
+            if out.new_token_ids and out.first_index == 0:
+                first_seen[out.request_id] = seen
             if out.finished:
-                t = out.timings
-                if t is None or t.ttft_s is None or t.finish_time is None:
-                    raise RuntimeError(f"{out.request_id} finished without timings")
+                if out.request_id not in first_seen:
+                    raise RuntimeError(f"{out.request_id} finished without a token")
                 side.num_output_tokens += out.num_output_tokens
-                side.ttft_s.append(t.ttft_s)
-                last = max(last, t.finish_time)
+                side.ttft_s.append(first_seen[out.request_id] - arrival[out.request_id])
+                last = seen
     side.makespan_s = last - start
     return side
 
