@@ -5,8 +5,9 @@ run against the same server in the same run::
 
     .venv/bin/python benchmarks/bench_producer.py [--latency-n 2000] [--bulk-n 20000]
 
-``submit`` latency covers validation, encoding, the SUBSCRIBE confirmation on the shared pub/sub
-connection and the enqueue script (dedupe, bound check, XADD, record). ``submit_many`` is
+``submit`` latency covers validation, encoding, the enqueue script (dedupe, bound check, XADD,
+record) and sending the SUBSCRIBE on the shared pub/sub connection (its confirmation is awaited
+by the handle's first read, not by ``submit``). ``submit_many`` is
 pipelined (256 requests per script call), 1000 requests per call. The raw baseline is redis-py's
 pipelined XADD of the same encoded payload, 1000 per pipeline; the two alternate block by block
 so that both see the same load (the ratio is the figure to compare across machines).
