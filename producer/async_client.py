@@ -99,9 +99,12 @@ class AsyncClient:
                 # handle's first read waits for the confirmation and then reads the record and
                 # token list, so what was published before it is not lost (docs/protocol.md)
                 channel = self._keys.channel(prepared.request_id)
-                sub = await self._subscriber.subscribe(
-                    channel, self.subscribe_timeout_s, confirm=False
-                )
+                try:
+                    sub = await self._subscriber.subscribe(
+                        channel, self.subscribe_timeout_s, confirm=False
+                    )
+                except redis.ConnectionError:  # closed meanwhile: the request exists anyway
+                    sub = None  # the handle subscribes on its first read (and says why not)
                 return AsyncHandle(
                     self,
                     prepared.request_id,

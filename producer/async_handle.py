@@ -5,11 +5,14 @@ Same algorithm and invariants as ``Handle`` (see ``handle.py``), with awaits.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+
+import redis
 
 from tokenfleet.producer.async_subscriber import AsyncSubscription
 from tokenfleet.producer.cursor import EventCursor
@@ -108,6 +111,11 @@ class AsyncHandle:
         self._sub = sub
         self._finalizer = weakref.finalize(self, sub.close)
 
+    def _detach(self) -> None:
+        """Release the subscription and forget it: the next read subscribes again."""
+        self.close()
+        self._sub, self._finalizer = None, None
+
     async def _start_at(self, from_index: int) -> None:
         untouched = (
             not self._tokens and self._terminal is None and not self._ready and self._base == 0
@@ -142,8 +150,10 @@ class AsyncHandle:
             self._attach(await client._subscriber.subscribe(channel, client.subscribe_timeout_s))
             self._cursor.needs_sync = True
         sub = self._sub
-        if sub is not None and not sub.confirmation.is_set():  # subscribed at submit, unconfirmed
-            await sub.wait_confirmed(self._client.subscribe_timeout_s)
+        # subscribed at submit, not confirmed yet
+        confirmed = sub is None or sub.confirmation.is_set() or await self._confirmed(sub, until)
+        if not confirmed:
+            return False
         while sub is not None:
             if self._ready:
                 self._record(self._ready.popleft())
@@ -160,6 +170,22 @@ class AsyncHandle:
             else:
                 self._ready.extend(self._cursor.on_message(item))
         return False
+
+    async def _confirmed(self, sub: AsyncSubscription, until: float | None) -> bool:
+        """See ``Handle._confirmed``."""
+        limit = self._client.subscribe_timeout_s
+        if until is not None and until - time.monotonic() < limit:
+            try:
+                await asyncio.wait_for(sub.confirmation.wait(), max(0.0, until - time.monotonic()))
+            except TimeoutError:
+                return False
+            return True
+        try:
+            await sub.wait_confirmed(limit)
+        except redis.ConnectionError:
+            self._detach()
+            raise
+        return True
 
     async def _sync(self) -> list[Event]:
         client, keys, rid = self._client, self._client._keys, self.request_id

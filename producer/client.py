@@ -40,7 +40,8 @@ class Client:
             built like it carries pub/sub.
         settings: prefix, record TTL and limits (default: ``Settings.from_env()``).
         recheck_s: how long a handle lets its channel stay quiet before re-reading the record.
-        subscribe_timeout_s: how long ``submit`` waits for Redis to confirm its subscription.
+        subscribe_timeout_s: how long a handle's first read waits for Redis to confirm its
+            subscription (``submit`` does not wait) before raising ``redis.ConnectionError``.
     """
 
     def __init__(
@@ -112,7 +113,12 @@ class Client:
                 # handle's first read waits for the confirmation and then reads the record and
                 # token list, so what was published before it is not lost (docs/protocol.md)
                 channel = self._keys.channel(prepared.request_id)
-                sub = self._subscriber.subscribe(channel, self.subscribe_timeout_s, confirm=False)
+                try:
+                    sub = self._subscriber.subscribe(
+                        channel, self.subscribe_timeout_s, confirm=False
+                    )
+                except redis.ConnectionError:  # closed meanwhile: the request exists anyway
+                    sub = None  # the handle subscribes on its first read (and says why not)
                 return Handle(
                     self,
                     prepared.request_id,

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from tokenfleet.producer.cursor import EventCursor
 from tokenfleet.producer.result import Result, build_result
 from tokenfleet.producer.subscriber import Subscription
@@ -150,6 +152,11 @@ class Handle:
         self._sub = sub
         self._finalizer = weakref.finalize(self, sub.close)
 
+    def _detach(self) -> None:
+        """Release the subscription and forget it: the next read subscribes again."""
+        self.close()
+        self._sub, self._finalizer = None, None
+
     def _start_at(self, from_index: int) -> None:
         untouched = (
             not self._tokens and self._terminal is None and not self._ready and self._base == 0
@@ -183,8 +190,9 @@ class Handle:
             self._attach(client._subscriber.subscribe(channel, client.subscribe_timeout_s))
             self._cursor.needs_sync = True
         sub = self._sub
-        if sub is not None and not sub.confirmation.is_set():  # subscribed at submit, unconfirmed
-            sub.wait_confirmed(self._client.subscribe_timeout_s)
+        # subscribed at submit, not confirmed yet
+        if sub is not None and not sub.confirmation.is_set() and not self._confirmed(sub, until):
+            return False
         while sub is not None:
             if self._ready:
                 self._record(self._ready.popleft())
@@ -201,6 +209,20 @@ class Handle:
             else:
                 self._ready.extend(self._cursor.on_message(item))
         return False
+
+    def _confirmed(self, sub: Subscription, until: float | None) -> bool:
+        """Wait for Redis to confirm ``sub``: False if the caller's ``until`` comes first.
+        Raises ``redis.ConnectionError`` after ``subscribe_timeout_s``; the next read then
+        subscribes afresh."""
+        limit = self._client.subscribe_timeout_s
+        if until is not None and until - time.monotonic() < limit:
+            return sub.confirmation.wait(max(0.0, until - time.monotonic()))
+        try:
+            sub.wait_confirmed(limit)
+        except redis.ConnectionError:
+            self._detach()
+            raise
+        return True
 
     def _sync(self) -> list[Event]:
         client, keys, rid = self._client, self._client._keys, self.request_id

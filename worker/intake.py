@@ -206,7 +206,9 @@ class Intake:
                 self._skipped[p] = 0
             else:
                 self._skipped[p] += 1
-        return self.entries(values[2:])
+        if int(values[2]):  # a stream or group was gone: recreate them
+            self.ensure_groups()
+        return self.entries(values[3:])
 
     def _pull_keys_args(
         self, order: Sequence[Priority], budget: int
@@ -214,11 +216,13 @@ class Intake:
         return [self.streams[p] for p in order], [CONSUMER_GROUP, self.worker_name, budget]
 
     def lost_groups(self, reply: Any) -> bool:
-        """True if ``reply`` is a NOGROUP error (a stream was deleted, e.g. by FLUSHALL): the
-        groups are recreated. Any other error reply is raised."""
+        """True if ``reply`` says a stream or its group is gone (NOGROUP; or UNBLOCKED, what
+        a blocked XREADGROUP gets when its stream is deleted, e.g. by FLUSHALL): the groups
+        are recreated. Any other error reply is raised."""
         if not isinstance(reply, Exception):
             return False
-        if "NOGROUP" not in str(reply):
+        message = str(reply)
+        if "NOGROUP" not in message and not message.startswith("UNBLOCKED"):
             raise reply
         self.ensure_groups()
         return True

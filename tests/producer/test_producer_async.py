@@ -145,3 +145,36 @@ def test_tokens_published_before_the_subscription_is_confirmed_are_not_lost(
             await conn.aclose()
 
     asyncio.run(main())
+
+
+def test_an_unconfirmed_subscription_fails_the_read_not_the_request(
+    settings: Settings, worker: FakeWorker
+) -> None:
+    """See the sync test of the same name."""
+
+    async def main() -> None:
+        conn = redis.asyncio.Redis.from_url(settings.redis_url)
+        client = AsyncClient(conn, settings=settings, subscribe_timeout_s=0.5)
+        gate = asyncio.Event()
+        reconnect = client._subscriber._reconnect
+
+        async def held_back() -> bool:
+            await gate.wait()
+            return await reconnect()
+
+        client._subscriber._reconnect = held_back  # type: ignore[method-assign]
+        try:
+            handle = await client.submit("hi")
+            with pytest.raises(TimeoutError):
+                await handle.result(timeout=0.1)
+            with pytest.raises(redis.ConnectionError, match="could not subscribe"):
+                await handle.result(timeout=30)
+            assert handle._sub is None and client._subscriber.num_channels == 0
+            gate.set()
+            await asyncio.to_thread(worker.serve, ["a", "b"])
+            assert (await handle.result(timeout=30)).text == "ab"
+        finally:
+            await client.aclose()
+            await conn.aclose()
+
+    asyncio.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import pytest
 import redis
 from producer_helpers import FakeWorker
 
@@ -147,3 +148,20 @@ def test_tokens_published_before_the_subscription_is_confirmed_are_not_lost(
         result = handle.result(timeout=30)
     assert (result.text, result.finish_reason) == ("abc", "stop")
     assert waits == []  # all of it came from the read after the confirmation: no channel wait
+
+
+def test_an_unconfirmed_subscription_fails_the_read_not_the_request(
+    r: redis.Redis, settings: Settings, worker: FakeWorker
+) -> None:
+    """The caller's own timeout comes first as ``TimeoutError``; ``subscribe_timeout_s`` as
+    ``ConnectionError``; either way a later read subscribes afresh and gets the result."""
+    with Client(r, settings=settings, subscribe_timeout_s=0.5) as client:
+        with client._subscriber._lock:  # no confirmation can arrive meanwhile
+            handle = client.submit("hi")
+            with pytest.raises(TimeoutError):
+                handle.result(timeout=0.1)
+            with pytest.raises(redis.ConnectionError, match="could not subscribe"):
+                handle.result(timeout=30)
+            assert handle._sub is None and client._subscriber.num_channels == 0
+        worker.serve(["a", "b"])
+        assert handle.result(timeout=30).text == "ab"

@@ -75,3 +75,14 @@ def test_a_deleted_stream_is_recreated_instead_of_crashing(
     assert intake.pull(5) == []  # NOGROUP: groups recreated
     _fill(r, keys, Priority.NORMAL, 1)
     assert len(intake.pull(5)) == 1
+
+
+def test_a_vanished_stream_does_not_lose_what_the_pull_read(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = _intake(r, settings)
+    _fill(r, keys, Priority.CRITICAL, 1)
+    r.delete(keys.stream("default", Priority.NORMAL))  # read after critical, in the same PULL
+    got = intake.pull(5)
+    assert [e.raw_id for e in got] == ["critical-0"]  # read, so returned: it is ours now
+    assert r.xinfo_groups(keys.stream("default", Priority.NORMAL))  # recreated

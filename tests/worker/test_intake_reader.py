@@ -63,7 +63,7 @@ def test_start_and_pull_keeps_the_starts_when_a_stream_vanished(
     intake = make_intake(r, settings, priorities=[Priority.NORMAL, Priority.BATCH])
     enqueue(r, keys, make_request("n1"))
     entries = intake.pull(1)
-    r.delete(keys.stream("default", Priority.BATCH))  # its PULL now fails with NOGROUP
+    r.delete(keys.stream("default", Priority.BATCH))  # the PULL finds its group gone
     jobs, _, pulled = intake.start_and_pull(entries, (), 5)
     assert [j.request_id for j in jobs] == ["n1"] and pulled == []
     assert r.xinfo_groups(keys.stream("default", Priority.BATCH))  # recreated
@@ -184,3 +184,15 @@ def test_stop_cancels_the_blocking_read_and_starts_what_it_read(
     assert rec is not None and rec.status == "running"
     assert not reader.stop()  # idempotent, and no read is armed any more
     assert r.info("clients")["blocked_clients"] == 0
+
+
+def test_a_flush_under_the_blocking_read_recreates_the_groups(
+    reader_and_spy: tuple[IntakeReader, Spy], r: redis.Redis, keys: Keys
+) -> None:
+    reader, _ = reader_and_spy
+    assert not reader.poll(2, 0.05)  # the blocking read is armed
+    r.flushall()  # it is answered with an UNBLOCKED error: the stream key is gone
+    assert not reader.poll(2, 0.5)
+    assert r.xinfo_groups(NORMAL)  # recreated, and a new blocking read is armed
+    enqueue(r, keys, make_request("after"))
+    assert _take(reader, 2, 1) == ["after"]
