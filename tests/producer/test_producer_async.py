@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import redis
@@ -22,10 +23,12 @@ from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 
 
-def run(settings: Settings, body: Callable[[AsyncClient], Awaitable[None]]) -> None:
+def run(
+    settings: Settings, body: Callable[[AsyncClient], Awaitable[None]], **client_kwargs: Any
+) -> None:
     async def main() -> None:
         conn = redis.asyncio.Redis.from_url(settings.redis_url)
-        client = AsyncClient(conn, settings=settings, recheck_s=1.0)
+        client = AsyncClient(conn, settings=settings, **({"recheck_s": 1.0} | client_kwargs))
         try:
             await body(client)
         finally:
@@ -108,43 +111,43 @@ def test_policies_ids_cancel_deadline(settings: Settings, client: Client) -> Non
     run(settings, body)
 
 
+def hold_back_subscriber(client: AsyncClient) -> asyncio.Event:
+    """Keep the client's pub/sub reader task from connecting until the returned event is set."""
+    gate = asyncio.Event()
+    reconnect = client._subscriber._reconnect
+
+    async def held_back() -> bool:
+        await gate.wait()
+        return await reconnect()
+
+    client._subscriber._reconnect = held_back  # type: ignore[method-assign]
+    return gate
+
+
 def test_tokens_published_before_the_subscription_is_confirmed_are_not_lost(
     settings: Settings, worker: FakeWorker
 ) -> None:
     """See the sync test of the same name: the reader task is held back from connecting."""
 
-    async def main() -> None:
-        conn = redis.asyncio.Redis.from_url(settings.redis_url)
-        client = AsyncClient(conn, settings=settings, recheck_s=60.0)
-        gate = asyncio.Event()
-        reconnect = client._subscriber._reconnect
+    async def body(client: AsyncClient) -> None:
+        gate = hold_back_subscriber(client)
+        handle = await client.submit("hi")
+        assert handle._sub is not None and not handle._sub.confirmation.is_set()
+        await asyncio.to_thread(worker.serve, ["a", "b", "c"])
+        gate.set()
+        sub, waits = handle._sub, []
+        get = sub.get
 
-        async def held_back() -> bool:
-            await gate.wait()
-            return await reconnect()
+        async def counted_get(timeout: float | None) -> object | None:
+            waits.append(timeout)
+            return await get(timeout)
 
-        client._subscriber._reconnect = held_back  # type: ignore[method-assign]
-        try:
-            handle = await client.submit("hi")
-            assert handle._sub is not None and not handle._sub.confirmation.is_set()
-            await asyncio.to_thread(worker.serve, ["a", "b", "c"])
-            gate.set()
-            sub, waits = handle._sub, []
-            get = sub.get
+        sub.get = counted_get  # type: ignore[method-assign]
+        result = await handle.result(timeout=30)
+        assert (result.text, result.finish_reason) == ("abc", "stop")
+        assert waits == []  # all of it came from the read after the confirmation
 
-            async def counted_get(timeout: float | None) -> object | None:
-                waits.append(timeout)
-                return await get(timeout)
-
-            sub.get = counted_get  # type: ignore[method-assign]
-            result = await handle.result(timeout=30)
-            assert (result.text, result.finish_reason) == ("abc", "stop")
-            assert waits == []  # all of it came from the read after the confirmation
-        finally:
-            await client.aclose()
-            await conn.aclose()
-
-    asyncio.run(main())
+    run(settings, body, recheck_s=60.0)
 
 
 def test_an_unconfirmed_subscription_fails_the_read_not_the_request(
@@ -152,29 +155,16 @@ def test_an_unconfirmed_subscription_fails_the_read_not_the_request(
 ) -> None:
     """See the sync test of the same name."""
 
-    async def main() -> None:
-        conn = redis.asyncio.Redis.from_url(settings.redis_url)
-        client = AsyncClient(conn, settings=settings, subscribe_timeout_s=0.5)
-        gate = asyncio.Event()
-        reconnect = client._subscriber._reconnect
+    async def body(client: AsyncClient) -> None:
+        gate = hold_back_subscriber(client)
+        handle = await client.submit("hi")
+        with pytest.raises(TimeoutError):
+            await handle.result(timeout=0.1)
+        with pytest.raises(redis.ConnectionError, match="could not subscribe"):
+            await handle.result(timeout=30)
+        assert handle._sub is None and client._subscriber.num_channels == 0
+        gate.set()
+        await asyncio.to_thread(worker.serve, ["a", "b"])
+        assert (await handle.result(timeout=30)).text == "ab"
 
-        async def held_back() -> bool:
-            await gate.wait()
-            return await reconnect()
-
-        client._subscriber._reconnect = held_back  # type: ignore[method-assign]
-        try:
-            handle = await client.submit("hi")
-            with pytest.raises(TimeoutError):
-                await handle.result(timeout=0.1)
-            with pytest.raises(redis.ConnectionError, match="could not subscribe"):
-                await handle.result(timeout=30)
-            assert handle._sub is None and client._subscriber.num_channels == 0
-            gate.set()
-            await asyncio.to_thread(worker.serve, ["a", "b"])
-            assert (await handle.result(timeout=30)).text == "ab"
-        finally:
-            await client.aclose()
-            await conn.aclose()
-
-    asyncio.run(main())
+    run(settings, body, subscribe_timeout_s=0.5)
