@@ -107,7 +107,9 @@ class WorkerSettings:
         claim_idle_s: an entry must have been idle this long before it can be claimed.
         poison_limit: a request taken by more than this many workers ends ``worker_lost``.
         starvation_pulls: a waiting lower priority is read at least every this many pulls.
-        block_ms: longest blocking XREADGROUP when idle (timers run between reads).
+        block_ms: how long one blocking XREADGROUP waits in Redis before it is sent again (the
+            loop never waits on it: it checks for its reply between steps, or sleeps on it with
+            its own timers' timeout when idle).
         kv_pool: shared KV pool to join (docs/kv_pools.md); None: the engine's whole cache.
         share_weight: this worker's weight in the pool (0.001 to 100).
     """
