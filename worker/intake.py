@@ -322,7 +322,8 @@ class Intake:
             keys, args = self._pull_keys_args(order, budget)
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         pipe.send()
-        return PendingStart(self, pipe, decoded, order, report, budget if order else 0)
+        early_ids = [job.request_id for job in early]
+        return PendingStart(self, pipe, decoded, early_ids, order, report, budget if order else 0)
 
     def started(
         self,
@@ -505,6 +506,7 @@ class PendingStart:
         intake: Intake,
         pipe: ScriptPipeline,
         decoded: list[tuple[Entry, GenerationRequest]],
+        early_ids: list[str],
         order: list[Priority],
         report: StartReport,
         pull_budget: int,
@@ -515,7 +517,8 @@ class PendingStart:
         self._order = order
         self._report = report
         self.pull_budget = pull_budget  # entries the round trip pulls at most
-        self.num_entries = len(decoded)  # entries it starts
+        self.early_ids = early_ids  # of the entries it starts, those handed over early
+        self.num_held = len(decoded) - len(early_ids)  # the others: they will need engine room
 
     def ready(self, timeout_s: float = 0.0) -> bool:
         """Whether the replies have arrived (waiting up to ``timeout_s`` for them)."""

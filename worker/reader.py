@@ -60,9 +60,7 @@ class Delivery:
 class IntakeReader:
     """Reads and starts entries with round trips the loop drives (see the module docstring).
 
-    Invariants: at most one of ``_read`` / ``_start`` is in flight, on ``_conn``; ``_held``
-    counts the entries of the start in flight that were not handed over early (they will need
-    engine room once started).
+    Invariant: at most one of ``_read`` / ``_start`` is in flight, on ``_conn``.
     """
 
     def __init__(self, intake: Intake, *, block_ms: int) -> None:
@@ -72,22 +70,20 @@ class IntakeReader:
         self._conn_id: int | None = None  # CLIENT ID of _conn, for CLIENT UNBLOCK
         self._read: PendingRead | None = None
         self._start: PendingStart | None = None
-        self._early_ids: list[str] = []  # early jobs of the start in flight
-        self._held = 0
         self._drained = False  # the last read found nothing waiting: block next time
         self._stopped = False
 
     @property
     def held(self) -> int:
         """Entries read and being started that are not in the engine yet."""
-        return self._held
+        return self._start.num_held if self._start is not None else 0
 
     def poll(self, budget: int, timeout_s: float = 0.0) -> Delivery:
         """Take in the replies that have arrived (waiting up to ``timeout_s`` for the first),
         hand over what they produced, and leave the next round trip in flight within
         ``budget`` (what the engine can admit now, early jobs handed over before included)."""
         out = Delivery()
-        room = budget - self._held
+        room = budget - self.held
         deadline = time.monotonic() + timeout_s
         while True:
             if self._read is None and self._start is None:
@@ -164,11 +160,9 @@ class IntakeReader:
         start, self._start = self._start, None
         assert start is not None
         jobs, report, pulled = start.receive()
-        self._held = 0
         out.jobs.extend(jobs)
         out.reports.append(report)
-        out.resolved.extend(self._early_ids)
-        self._early_ids = []
+        out.resolved.extend(start.early_ids)
         budget = start.pull_budget
         self._drained = budget > 0 and len(pulled) < budget
         if pulled:
@@ -178,7 +172,5 @@ class IntakeReader:
     def _send_start(self, out: Delivery, entries: list[Entry], room: int) -> None:
         early = self.intake.early_jobs(entries)
         out.early.extend(early)
-        self._early_ids = [job.request_id for job in early]
-        self._held = len(entries) - len(early)
         budget = 0 if self._stopped else max(0, room)
         self._start = self.intake.send_start(entries, early, budget, connection=self._connection())
