@@ -146,6 +146,7 @@ class WorkerMetrics:
         self._running = self.running.labels(model_name)
         self._waiting = self.waiting.labels(model_name)
         self._throughput = self.throughput.labels(model_name)
+        self._generation_tokens: dict[Priority, Any] = {}
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
         """Start the HTTP endpoint (a daemon thread); returns the server object."""
@@ -172,7 +173,13 @@ class WorkerMetrics:
         self._throughput.set(self._window_tokens / span if span > 0 else 0.0)
 
     def observe_tokens(self, priority: Priority, n: int) -> None:
-        self.generation_tokens.labels(self.model_name, priority.label).inc(n)
+        """``n`` tokens published for requests of ``priority`` (the loop sums them per step)."""
+        child = self._generation_tokens.get(priority)
+        if child is None:
+            child = self._generation_tokens[priority] = self.generation_tokens.labels(
+                self.model_name, priority.label
+            )
+        child.inc(n)
 
     def observe_finish(
         self,

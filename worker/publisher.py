@@ -1,10 +1,11 @@
 """Publishing one engine step: every new token, every finish and the cancel check in one round trip.
 
-For each request with new tokens, ``APPEND_TOKENS`` pushes the encoded token events onto its
-token list and publishes them on its channel (list first, so a late subscriber misses nothing),
-then updates ``num_tokens``. For each finished request, ``FINISH`` writes the final record,
-publishes the terminal event and acks+deletes its entry, atomically. Both carry this worker's
-name: a request another worker has taken over is reported ``lost`` and nothing is written for it.
+One ``APPEND_TOKENS`` call takes every request with new tokens: for each, it pushes the encoded
+token events onto its token list and publishes them on its channel (list first, so a late
+subscriber misses nothing), then updates ``num_tokens``. For each finished request, ``FINISH``
+writes the final record, publishes the terminal event and acks+deletes its entry, atomically.
+Both carry this worker's name: a request another worker has taken over is reported ``lost`` and
+nothing is written for it.
 The same pipeline asks ``SMISMEMBER`` which running requests have a cancellation pending.
 
 ``send`` writes the round trip and returns at once (a :class:`PendingPublish`); its ``result()``
@@ -25,11 +26,13 @@ import redis
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
-from tokenfleet.shared.scripts.worker import APPEND_TOKENS
+from tokenfleet.shared.scripts.worker import APPEND_TOKENS, append_tokens_keys_args
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Job
-from tokenfleet.worker.pipelined import ScriptPipeline
+from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
 from tokenfleet.worker.pool_link import PoolCall
+
+_OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
 
 
 @dataclass(slots=True)
@@ -85,14 +88,15 @@ class PendingPublish:
     def _read(self, replies: list[Any]) -> StepResult:
         result = StepResult(pool_reply=replies[-1] if self._with_pool else None)
         i = 0
-        for job, events in self._tokens:
-            code = replies[i][0]
-            i += 1
-            if code == "ok":
-                job.num_published = events[-1].index + 1
-                job.text_parts.extend(e.text for e in events)
-            else:
-                result.lost.add(job.request_id)
+        if self._tokens:  # one APPEND_TOKENS reply: "ok", then one reply per request
+            per_request = replies[0][1:]
+            i = 1
+            for (job, events), reply in zip(self._tokens, per_request, strict=True):
+                if reply[0] in _OK:
+                    job.num_published = events[-1].index + 1
+                    job.text_parts.extend(e.text for e in events)
+                else:
+                    result.lost.add(job.request_id)
         for fin in self._finishes:
             code = replies[i][0]
             i += 1
@@ -109,7 +113,12 @@ class PendingPublish:
 
 
 class Publisher:
-    """Builds and runs the per-step pipeline for one worker. Holds no request state."""
+    """Builds and runs the per-step pipeline for one worker. Holds no request state.
+
+    Invariant: its round trips run on one connection of its own (no pool checkout per step), at
+    most one in flight: :meth:`send` first reads the replies of the one still in flight (its
+    ``result()`` keeps them for whoever asks later).
+    """
 
     def __init__(
         self, client: redis.Redis, settings: Settings, *, model_name: str, worker_name: str
@@ -119,6 +128,14 @@ class Publisher:
         self.keys = Keys(settings.key_prefix)
         self.model_name = model_name
         self.worker_name = worker_name
+        self._conn: Any = None
+        self._in_flight: PendingPublish | None = None
+
+    def close(self) -> None:
+        """Drop the connection (after the last result was read)."""
+        if self._conn is not None:
+            self._conn.disconnect()
+            self._conn = None
 
     def publish(
         self,
@@ -146,22 +163,26 @@ class Publisher:
         """
         if not tokens and not finishes and not check_cancel and pool_call is None:
             return PendingPublish(None, (), (), (), False)
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            previous.result()  # its replies come first on the connection
+        if self._conn is None:
+            self._conn = dedicated_connection(self.client)
         now = time.time()
         ttl = self.settings.record_ttl_s
-        pipe = ScriptPipeline(self.client)
-        for job, events in tokens:
-            rid = job.request_id
-            pipe.script(
-                APPEND_TOKENS,
-                [self.keys.record(rid), self.keys.tokens(rid), self.keys.channel(rid)],
+        pipe = ScriptPipeline(self.client, self._conn)
+        if tokens:
+            k, a = append_tokens_keys_args(
+                self.keys,
+                self.worker_name,
+                now,
+                ttl,
                 [
-                    self.worker_name,
-                    events[0].index,
-                    repr(now),
-                    ttl,
-                    *(e.encode() for e in events),
+                    (job.request_id, events[0].index, [e.encode() for e in events])
+                    for job, events in tokens
                 ],
             )
+            pipe.script(APPEND_TOKENS, k, a)
         for fin in finishes:
             k, a = finish_keys_args(
                 self.keys,
@@ -180,7 +201,9 @@ class Publisher:
         if pool_call is not None:
             pool_call.queue(pipe)  # last: its reply is replies[-1]
         pipe.send()
-        return PendingPublish(pipe, tokens, finishes, check_cancel, pool_call is not None)
+        pending = PendingPublish(pipe, tokens, finishes, check_cancel, pool_call is not None)
+        self._in_flight = pending
+        return pending
 
 
 def _pending_text(tokens: Sequence[tuple[Job, Sequence[TokenEvent]]], job: Job) -> str:

@@ -40,6 +40,7 @@ from typing import Any
 import redis
 
 from tokenfleet.worker.intake import Entry, Intake, Job, PendingRead, PendingStart, StartReport
+from tokenfleet.worker.pipelined import dedicated_connection
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,7 @@ class IntakeReader:
     # -- internals ----------------------------------------------------------------------------
     def _connection(self) -> Any:
         if self._conn is None:
-            pool = self.intake.client.connection_pool
-            conn = pool.connection_class(**pool.connection_kwargs)
+            conn = dedicated_connection(self.intake.client)
             conn.send_command("CLIENT", "ID")
             self._conn_id = int(conn.read_response())
             self._conn = conn

@@ -66,6 +66,7 @@ import redis
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.worker import HANDBACK
@@ -251,6 +252,8 @@ class WorkerService:
                 self.flush()
             except Exception:  # already failing: the heartbeat must still go
                 log.exception("worker %s: publishing failed", self.ws.name)
+            finally:
+                self.publisher.close()
             if self.pool is not None:
                 try:
                     self.pool.leave()
@@ -447,9 +450,13 @@ class WorkerService:
         tokens = firsts + tokens
         self._publish_async(tokens, finishes, check)
         num_new = 0
-        for job, events in tokens:  # bookkeeping once the round trip is on its way
+        per_priority: dict[Priority, int] = {}  # bookkeeping once the round trip is on its way
+        for job, events in tokens:
             num_new += len(events)
-            self.metrics.observe_tokens(job.entry.priority, len(events))
+            p = job.entry.priority
+            per_priority[p] = per_priority.get(p, 0) + len(events)
+        for p, n in per_priority.items():
+            self.metrics.observe_tokens(p, n)
         self._tokens_total += num_new
         for job in restarts:
             self._add(job)

@@ -4,16 +4,20 @@ Each keeps one invariant of the durable record atomically:
 
 * ``START`` moves ``queued -> running`` (or notices the request must not run), so a worker
   never starts a cancelled, expired, terminal or poisoned request.
-* ``APPEND_TOKENS`` appends only while the caller still owns the request and only at the
-  index the list has reached, so the token list (and the channel) stays gap-free and
-  duplicate-free even when a worker that was presumed dead wakes up.
+* ``APPEND_TOKENS`` (all the requests of one engine step in one call) appends a request's
+  tokens only while the caller still owns it and only at the index its list has reached, so
+  the token list (and the channel) stays gap-free and duplicate-free even when a worker that
+  was presumed dead wakes up.
 * ``HANDBACK`` re-queues a running request at the tail of its stream (new entry, old one acked
   and deleted) so that any worker resumes it at once from its token list.
 """
 
 from __future__ import annotations
 
-from tokenfleet.shared.scripts.registry import LuaScript
+from collections.abc import Sequence
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
 
 START = LuaScript(
     name="worker_start",
@@ -78,36 +82,67 @@ return out
 
 APPEND_TOKENS = LuaScript(
     name="worker_append_tokens",
-    ok_codes=frozenset({"lost", "gap"}),
     source="""
--- KEYS[1] = request record hash          KEYS[2] = request token list
--- KEYS[3] = request channel
--- ARGV[1] = worker name                  ARGV[2] = index of the first event below
--- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
--- ARGV[5..] = encoded token events, in index order
--- Returns {"ok"}; {"lost", status, holder} if the caller no longer runs the request; or
--- {"gap", length} if the list does not end at ARGV[2]. Nothing is written unless "ok".
-local h = redis.call('HMGET', KEYS[1], 'status', 'worker')
-if h[1] ~= 'running' or h[2] ~= ARGV[1] then
-  return {'lost', tostring(h[1]), tostring(h[2])}
+-- One engine step's tokens, every request of the step in one call (one script run per step
+-- instead of one per request: less work for Redis and one reply for the worker to read).
+-- KEYS[3i-2] = request i's record hash   KEYS[3i-1] = request i's token list
+-- KEYS[3i]   = request i's channel       (i = 1 .. #KEYS / 3)
+-- ARGV[1] = worker name                  ARGV[2] = now (epoch seconds)
+-- ARGV[3] = record TTL in seconds
+-- ARGV[4..] = for each request i, in KEYS order: the index of its first event, the number of
+--             its events c, then its c encoded token events in index order
+-- Returns {"ok", reply_1, ..., reply_n}, one reply per request: {"ok"}; {"lost", status,
+-- holder} if the caller no longer runs it; or {"gap", length} if its list does not end at its
+-- first index. Nothing is written for a request unless its reply is "ok".
+local out = {'ok'}
+local a = 4
+for i = 1, #KEYS / 3 do
+  local rec, list, ch = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local first, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local ev = a + 2
+  a = ev + count
+  local h = redis.call('HMGET', rec, 'status', 'worker')
+  if h[1] ~= 'running' or h[2] ~= ARGV[1] then
+    out[i + 1] = {'lost', tostring(h[1]), tostring(h[2])}
+  else
+    local n = redis.call('LLEN', list)
+    if n ~= first then
+      out[i + 1] = {'gap', tostring(n)}
+    else
+      for j = ev, a - 1 do
+        redis.call('RPUSH', list, ARGV[j])
+        redis.call('PUBLISH', ch, ARGV[j])
+      end
+      redis.call('HSET', rec, 'num_tokens', n + count)
+      if first == 0 then
+        redis.call('HSET', rec, 'first_token_at', ARGV[2])
+        redis.call('EXPIRE', list, ARGV[3])
+      end
+      out[i + 1] = {'ok'}
+    end
+  end
 end
-local n = redis.call('LLEN', KEYS[2])
-local first = tonumber(ARGV[2])
-if n ~= first then
-  return {'gap', tostring(n)}
-end
-for i = 5, #ARGV do
-  redis.call('RPUSH', KEYS[2], ARGV[i])
-  redis.call('PUBLISH', KEYS[3], ARGV[i])
-end
-redis.call('HSET', KEYS[1], 'num_tokens', n + #ARGV - 4)
-if first == 0 then
-  redis.call('HSET', KEYS[1], 'first_token_at', ARGV[3])
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
-end
-return {'ok'}
+return out
 """,
 )
+
+
+def append_tokens_keys_args(
+    keys: Keys,
+    worker: str,
+    now: float,
+    ttl_s: int,
+    batch: Sequence[tuple[str, int, Sequence[bytes]]],
+) -> tuple[list[KeyOrArg], list[KeyOrArg]]:
+    """KEYS and ARGV of ``APPEND_TOKENS`` for ``batch``: (request id, index of its first event,
+    its encoded events) per request, in the order the replies come back."""
+    k: list[KeyOrArg] = []
+    a: list[KeyOrArg] = [worker, repr(now), ttl_s]
+    for rid, first, events in batch:
+        k += (keys.record(rid), keys.tokens(rid), keys.channel(rid))
+        a += (first, len(events), *events)
+    return k, a
+
 
 HANDBACK = LuaScript(
     name="worker_handback",

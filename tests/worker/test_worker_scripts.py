@@ -14,7 +14,12 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
-from tokenfleet.shared.scripts.worker import APPEND_TOKENS, HANDBACK, START
+from tokenfleet.shared.scripts.worker import (
+    APPEND_TOKENS,
+    HANDBACK,
+    START,
+    append_tokens_keys_args,
+)
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.recovery import Claimer, Heartbeat
 
@@ -38,16 +43,17 @@ def _start(
     )
 
 
+def _events(rid: str, first: int, n: int) -> list[bytes]:
+    return [TokenEvent(rid, first + i, 10 + i, f"t{first + i}").encode() for i in range(n)]
+
+
 def _append(r: redis.Redis, keys: Keys, rid: str, worker: str, first: int, n: int) -> str:
-    events = [TokenEvent(rid, first + i, 10 + i, f"t{first + i}").encode() for i in range(n)]
-    return str(
-        registry.call(
-            r,
-            APPEND_TOKENS,
-            [keys.record(rid), keys.tokens(rid), keys.channel(rid)],
-            [worker, first, repr(time.time()), 60, *events],
-        )[0]
+    k, a = append_tokens_keys_args(
+        keys, worker, time.time(), 60, [(rid, first, _events(rid, first, n))]
     )
+    reply = registry.call(r, APPEND_TOKENS, k, a)
+    assert len(reply) == 2  # "ok", then one reply per request
+    return reply[1][0].decode()
 
 
 def test_start_then_append_then_resume_elsewhere(r: redis.Redis, keys: Keys) -> None:
@@ -63,6 +69,40 @@ def test_start_then_append_then_resume_elsewhere(r: redis.Redis, keys: Keys) -> 
     assert _append(r, keys, "a", "w2", 3, 1) == "ok"
     rec = record(r, keys, "a")
     assert rec is not None and rec.worker == "w2" and rec.num_tokens == 4 and rec.attempts == 2
+
+
+def test_append_tokens_judges_each_request_of_a_step_on_its_own(r: redis.Redis, keys: Keys) -> None:
+    """One call for a whole step: a lost request and a gapped one write nothing, while the
+    others in the same call are appended and published in index order, list before channel."""
+    for rid, worker in (("a", "w1"), ("b", "w1"), ("c", "w2"), ("d", "w1")):
+        _start(r, keys, rid, enqueue(r, keys, make_request(rid)), worker=worker)
+    assert _append(r, keys, "b", "w1", 0, 2) == "ok"
+    sub = r.pubsub()
+    sub.subscribe(*(keys.channel(rid) for rid in "abcd"))
+    for _ in "abcd":
+        assert sub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+    batch = [
+        ("a", 0, _events("a", 0, 1)),
+        ("b", 1, _events("b", 1, 1)),  # the list holds 2: a gap would follow
+        ("c", 0, _events("c", 0, 1)),  # held by w2
+        ("d", 0, _events("d", 0, 3)),
+    ]
+    reply = registry.call(r, APPEND_TOKENS, *append_tokens_keys_args(keys, "w1", 12.5, 60, batch))
+    assert reply == ["ok", [b"ok"], [b"gap", b"2"], [b"lost", b"running", b"w2"], [b"ok"]]
+    assert [r.llen(keys.tokens(rid)) for rid in "abcd"] == [1, 2, 0, 3]
+    assert r.lrange(keys.tokens("d"), 0, -1) == _events("d", 0, 3)
+    published = []
+    while (msg := sub.get_message(timeout=0.5)) is not None:
+        published.append((msg["channel"], msg["data"]))
+    sub.close()
+    assert published == [(keys.channel("a").encode(), _events("a", 0, 1)[0])] + [
+        (keys.channel("d").encode(), ev) for ev in _events("d", 0, 3)
+    ]
+    rec_a, rec_d = record(r, keys, "a"), record(r, keys, "d")
+    assert rec_a is not None and rec_a.num_tokens == 1
+    assert rec_d is not None and rec_d.num_tokens == 3
+    assert r.hget(keys.record("a"), "first_token_at") == b"12.5"
+    assert r.ttl(keys.tokens("a")) > 0
 
 
 def test_finish_owner_guard_leaves_a_request_held_by_another(r: redis.Redis, keys: Keys) -> None:
@@ -180,12 +220,10 @@ def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> 
     pipe = ScriptPipeline(r)
     event = TokenEvent("f", 0, 1, "x").encode()
     pipe.script(
-        APPEND_TOKENS,
-        [keys.record("f"), keys.tokens("f"), keys.channel("f")],
-        ["w1", 0, repr(time.time()), 60, event],
+        APPEND_TOKENS, *append_tokens_keys_args(keys, "w1", time.time(), 60, [("f", 0, [event])])
     )
     pipe.command("SMISMEMBER", keys.cancel_set, "f")
-    assert pipe.execute() == [["ok"], [0]]
+    assert pipe.execute() == [["ok", [b"ok"]], [0]]
     assert r.llen(keys.tokens("f")) == 1
 
 
@@ -210,15 +248,14 @@ def test_script_pipeline_sends_now_and_reads_later(r: redis.Redis, keys: Keys) -
     entry = enqueue(r, keys, make_request("g"))
     _start(r, keys, "g", entry)
     pipe = ScriptPipeline(r)
+    event = TokenEvent("g", 0, 1, "x").encode()
     pipe.script(
-        APPEND_TOKENS,
-        [keys.record("g"), keys.tokens("g"), keys.channel("g")],
-        ["w1", 0, repr(time.time()), 60, TokenEvent("g", 0, 1, "x").encode()],
+        APPEND_TOKENS, *append_tokens_keys_args(keys, "w1", time.time(), 60, [("g", 0, [event])])
     )
     pipe.command("SMISMEMBER", keys.cancel_set, "g")
     pipe.send()
     assert r.hget(keys.record("g"), "worker") == b"w1"  # the client is free meanwhile
-    assert pipe.receive() == [["ok"], [0]]
+    assert pipe.receive() == [["ok", [b"ok"]], [0]]
     assert r.llen(keys.tokens("g")) == 1
     with pytest.raises(RuntimeError):
         pipe.send()  # one round trip per pipeline
