@@ -184,7 +184,7 @@ class Publisher:
             )
             pipe.script(APPEND_TOKENS, k, a)
         for fin in finishes:
-            k, a = finish_keys_args(
+            fk, fa = finish_keys_args(
                 self.keys,
                 fin.event,
                 model=self.model_name,
@@ -195,7 +195,7 @@ class Publisher:
                 extra_fields={"text": fin.job.text + _pending_text(tokens, fin.job)},
                 owner=self.worker_name,
             )
-            pipe.script(FINISH, k, a)
+            pipe.script(FINISH, fk, fa)
         if check_cancel:
             pipe.command("SMISMEMBER", self.keys.cancel_set, *check_cancel)
         if pool_call is not None:

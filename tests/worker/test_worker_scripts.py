@@ -80,7 +80,8 @@ def test_append_tokens_judges_each_request_of_a_step_on_its_own(r: redis.Redis, 
     sub = r.pubsub()
     sub.subscribe(*(keys.channel(rid) for rid in "abcd"))
     for _ in "abcd":
-        assert sub.get_message(timeout=5)["type"] == "subscribe"  # type: ignore[index]
+        msg = sub.get_message(timeout=5)
+        assert msg is not None and msg["type"] == "subscribe"
     batch = [
         ("a", 0, _events("a", 0, 1)),
         ("b", 1, _events("b", 1, 1)),  # the list holds 2: a gap would follow
