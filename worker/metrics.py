@@ -7,6 +7,7 @@ Each worker owns its own ``CollectorRegistry`` (no module-level globals), expose
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from typing import Any
 
@@ -41,6 +42,8 @@ class WorkerMetrics:
     Invariant: ``_window`` holds (time, tokens) of the last ``THROUGHPUT_WINDOW_S`` seconds and
     ``_window_tokens`` their sum, so the throughput gauge is that sum divided by the window's
     span (kept as a running sum: ``observe_step`` runs after every engine step, in the loop).
+    The step gauges (running, waiting, KV usage, throughput) read ``_gauges`` when scraped: the
+    loop only stores numbers there, so a step takes no prometheus lock for them.
     """
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
@@ -142,10 +145,17 @@ class WorkerMetrics:
         # the step gauges' children, looked up once (labels() takes a lock and hashes each time)
         self._preemptions = self.preemptions.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
-        self._kv_usage = self.kv_usage.labels(model_name)
-        self._running = self.running.labels(model_name)
-        self._waiting = self.waiting.labels(model_name)
-        self._throughput = self.throughput.labels(model_name)
+        # what the step gauges show when scraped; written by the loop (a dict store is atomic)
+        self._gauges: dict[str, float] = dict.fromkeys(
+            ("running", "waiting", "kv_usage", "throughput"), 0.0
+        )
+        for name, gauge in (
+            ("running", self.running),
+            ("waiting", self.waiting),
+            ("kv_usage", self.kv_usage),
+            ("throughput", self.throughput),
+        ):
+            gauge.labels(model_name).set_function(functools.partial(self._gauges.__getitem__, name))
         self._generation_tokens: dict[Priority, Any] = {}
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
@@ -156,21 +166,25 @@ class WorkerMetrics:
         self, now: float, num_tokens: int, stats: Any, capacity: Any, num_kv_blocks_total: int
     ) -> None:
         """After each step: gauges, preemptions, prefix hits, the throughput window."""
+        gauges = self._gauges
         if stats is not None:
-            self._preemptions.inc(getattr(stats, "num_preemptions", 0))
-            self._prefix_hits.inc(getattr(stats, "num_prefix_cache_hit_tokens", 0))
+            preempted = getattr(stats, "num_preemptions", 0)
+            if preempted:
+                self._preemptions.inc(preempted)
+            hits = getattr(stats, "num_prefix_cache_hit_tokens", 0)
+            if hits:
+                self._prefix_hits.inc(hits)
             if num_kv_blocks_total > 0:
-                used = getattr(stats, "num_kv_blocks_used", 0)
-                self._kv_usage.set(used / num_kv_blocks_total)
+                gauges["kv_usage"] = getattr(stats, "num_kv_blocks_used", 0) / num_kv_blocks_total
         if capacity is not None:
-            self._running.set(capacity.num_running)
-            self._waiting.set(capacity.num_waiting)
+            gauges["running"] = capacity.num_running
+            gauges["waiting"] = capacity.num_waiting
         self._window.append((now, num_tokens))
         self._window_tokens += num_tokens
         while self._window and self._window[0][0] < now - THROUGHPUT_WINDOW_S:
             self._window_tokens -= self._window.popleft()[1]
         span = now - self._window[0][0] if len(self._window) > 1 else 0.0
-        self._throughput.set(self._window_tokens / span if span > 0 else 0.0)
+        gauges["throughput"] = self._window_tokens / span if span > 0 else 0.0
 
     def observe_tokens(self, priority: Priority, n: int) -> None:
         """``n`` tokens published for requests of ``priority`` (the loop sums them per step)."""
