@@ -52,6 +52,28 @@ from workload import Workload, make_workload, percentile
 SPIN_S = 0.001
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Which CPUs the engine side or worker (``compute``) and everything else (``rest``) use;
+    ``None``: wherever the OS schedules them. Affinity is per thread and inherited by the
+    threads and processes it starts, so setting this thread's before a start places the child."""
+
+    compute: set[int] | None = None
+    rest: set[int] | None = None
+
+    @contextlib.contextmanager
+    def computing(self) -> Any:
+        """This thread (and what it starts meanwhile) on the compute CPUs, then back."""
+        if self.compute is None:
+            yield
+            return
+        os.sched_setaffinity(0, self.compute)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, self.rest or self.compute)
+
+
 def wait_until(t: float) -> None:
     """Return at epoch time ``t``: sleep until ``SPIN_S`` before it, then spin. A plain sleep
     wakes 0.15-0.4 ms late on this VM, and that lateness would count as TTFT."""
@@ -98,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-heavy", action="store_true", help="skip the fleet-1/fleet-2 heavy sides")
     p.add_argument(
+        "--pin",
+        action="store_true",
+        help="(implies --no-heavy) run the engine side and the worker on the last CPU, this "
+        "process (client, listener) and redis-server on the others, as a deployment that gives "
+        "a worker its own core would",
+    )
+    p.add_argument(
         "--redis-url",
         default=None,
         help="use this Redis (every side gets a unique key prefix) instead of "
@@ -106,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
+def run_engine(model: str, wl: Workload, args: argparse.Namespace, placement: Placement) -> Side:
+    with placement.computing():
+        return _run_engine(model, wl, args)
+
+
+def _run_engine(model: str, wl: Workload, args: argparse.Namespace) -> Side:
     from tokenfleet.worker.engine.engine import Engine
     from tokenfleet.worker.engine.request import SamplingParams
 
@@ -185,7 +219,13 @@ class Listener:
 
 
 def run_fleet(
-    name: str, model: str, url: str, num_workers: int, wl: Workload, args: argparse.Namespace
+    name: str,
+    model: str,
+    url: str,
+    num_workers: int,
+    wl: Workload,
+    args: argparse.Namespace,
+    placement: Placement,
 ) -> Side:
     from tokenfleet.producer import Client
     from tokenfleet.shared.settings import Settings
@@ -200,7 +240,8 @@ def run_fleet(
         num_workers=num_workers,
         extra_args=["--max-num-seqs", str(args.max_num_seqs), "--log-level", "WARNING"],
     )
-    fleet.start()
+    with placement.computing():
+        fleet.start()
     listener = Listener(url, prefix)
     try:
         with Client.from_url(url, settings=settings) as client:
@@ -297,17 +338,26 @@ def main() -> int:
     )
     if args.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    placement = Placement()
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs at least 2 CPUs")
+        args.no_heavy = True  # the heavy pair measures two workers sharing every CPU
+        placement = Placement(compute={cpus[-1]}, rest=set(cpus[:-1]))
+        os.sched_setaffinity(0, placement.rest or set())  # redis-server and the listener inherit
+        print(f"pinned: engine side and worker on CPU {cpus[-1]}, the rest on {cpus[:-1]}")
     pairs: list[tuple[Side, Side]] = []
     one_heavy = two_heavy = None
     with contextlib.ExitStack() as stack:
         url = args.redis_url or stack.enter_context(RedisServer()).url
         for i in range(args.rounds):
             if i % 2 == 0:
-                engine = run_engine(model, light, args)
-                one = run_fleet("fleet-1", model, url, 1, light, args)
+                engine = run_engine(model, light, args, placement)
+                one = run_fleet("fleet-1", model, url, 1, light, args, placement)
             else:
-                one = run_fleet("fleet-1", model, url, 1, light, args)
-                engine = run_engine(model, light, args)
+                one = run_fleet("fleet-1", model, url, 1, light, args, placement)
+                engine = run_engine(model, light, args, placement)
             print(
                 f"  round {i + 1}: engine {engine.throughput:.0f} tok/s, TTFT p50 "
                 f"{engine.ttft_p50_ms:.1f} ms; fleet-1 {one.throughput:.0f} tok/s, "
@@ -321,9 +371,9 @@ def main() -> int:
                 )
             pairs.append((engine, one))
         if not args.no_heavy:
-            one_heavy = run_fleet("fleet-1 heavy", model, url, 1, heavy, args)
+            one_heavy = run_fleet("fleet-1 heavy", model, url, 1, heavy, args, Placement())
             print(f"  fleet-1 heavy done: {one_heavy.throughput:.0f} tok/s", flush=True)
-            two_heavy = run_fleet("fleet-2 heavy", model, url, 2, heavy, args)
+            two_heavy = run_fleet("fleet-2 heavy", model, url, 2, heavy, args, Placement())
             print(f"  fleet-2 heavy done: {two_heavy.throughput:.0f} tok/s", flush=True)
     print()
     print(

@@ -420,6 +420,11 @@ class WorkerService:
             return
         if any(out.new_token_ids for out in outputs):
             self._failures = 0  # the engine demonstrably works again
+        # Read what arrived during the step now, before publishing: the round trip this sends
+        # (a START, or the blocking read that follows a drained pull) has answered by the
+        # loop's poll after the publish, so an arrival it finds joins the very next step
+        # (polled only at the loop's top, it waited one step more).
+        self._deliver(self.reader.poll(self._budget()))
         if self._early:
             self._resolve_early({out.request_id for out in outputs})
         firsts: list[tuple[Job, list[TokenEvent]]] = []  # requests' first tokens (TTFT)

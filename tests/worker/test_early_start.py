@@ -37,11 +37,15 @@ MAX_TOKENS = 8
 
 
 class AnsweringReader:
-    """Stands in for ``IntakeReader``: ``resolve`` hands over the queued deliveries one by one."""
+    """Stands in for ``IntakeReader``: ``resolve`` hands over the queued deliveries one by one;
+    ``poll`` (the loop reading new arrivals) finds nothing."""
 
     def __init__(self, *deliveries: Delivery) -> None:
         self.deliveries = list(deliveries)
         self.resolves = 0
+
+    def poll(self, budget: int, timeout_s: float = 0.0) -> Delivery:
+        return Delivery()
 
     def resolve(self) -> Delivery:
         self.resolves += 1
