@@ -1,13 +1,15 @@
-"""The worker's loop: timers → intake → engine step → publish → cancellations, until told to stop.
+"""The worker's loop: timers → intake → engine step → intake → publish → cancellations, until told
+to stop.
 
 One iteration::
 
     heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
     claim_interval_s); poll the intake within what the engine can admit now and add what it
-    read and started (waiting on Redis only when the engine is idle); engine.step(); read and apply
-    the previous step's publish replies, then send this step's publish (tokens, finishes,
-    cancel check: one pipelined round trip) without waiting for its replies; abort what was
-    cancelled.
+    read and started (waiting on Redis only when the engine is idle); engine.step(); poll the
+    intake again (what arrived during the step; the round trip this sends has answered by the
+    next iteration's poll, a publish later); read and apply the previous step's publish
+    replies, then send this step's publish (tokens, finishes, cancel check: one pipelined round
+    trip) without waiting for its replies; abort what was cancelled.
 
 With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
 before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the

@@ -1,8 +1,9 @@
 """Early start, in process against the real server: a new request runs in the engine while its
 ``START`` is on the wire, and nothing is published for it until ``START`` has answered.
 
-The service's loop is driven by hand (``_deliver``, ``_step``) with a stand-in for the intake
-reader that hands over ``START``'s answer when the loop asks for it, so each ordering is exact.
+The service's loop is driven by hand (``_deliver``, ``_step``), mostly with a stand-in for the
+intake reader that hands over ``START``'s answer when the loop asks for it, so each ordering is
+exact; the last test drives the real reader, waiting for each reply before the loop reads it.
 """
 
 from __future__ import annotations
@@ -168,3 +169,27 @@ def test_early_request_with_tokens_to_resume_starts_over_from_them(
     rec = record(r, keys, "e3")
     assert rec is not None and rec.status == "done" and rec.attempts == 1
     assert rec.text == "".join(e.text for e in events)
+
+
+def test_an_arrival_behind_a_drained_pull_joins_the_next_step(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    """The pull sent with a START runs at once; a request that arrives after it, during the
+    step, is read by the poll right after that step (which sends the next read) and is in the
+    engine when the loop's own poll runs, before the next step: not one step later."""
+    enqueue(r, keys, _request("a1"))
+    service._deliver(service.reader.poll(service._budget(), timeout_s=5.0))
+    assert "a1" in service._early  # in the engine; START(a1) and a pull are on the wire
+    start = service.reader._start
+    assert start is not None and start.ready(5.0)  # answered: the pull found nothing more
+    enqueue(r, keys, _request("b1"))  # arrives while a1's prefill step runs
+    service._step()
+    assert "a1" in service.jobs
+    read = service.reader._read  # the read sent right after the step, before publishing
+    assert read is not None and read.ready(5.0)
+    service._deliver(service.reader.poll(service._budget()))  # the loop's poll
+    assert "b1" in service._early
+    _run_to_end(service)
+    for rid in ("a1", "b1"):
+        rec = record(r, keys, rid)
+        assert rec is not None and rec.status == "done"
