@@ -26,6 +26,7 @@ a pair measured close together is the fairer comparison. Run::
 
     .venv/bin/python benchmarks/bench_worker_e2e.py            # about 1 minute on 2 CPU cores
     .venv/bin/python benchmarks/bench_worker_e2e.py --rounds 5 --no-heavy
+    .venv/bin/python benchmarks/bench_worker_e2e.py --rounds 5 --pin   # worker on its own CPU
 """
 
 from __future__ import annotations
