@@ -345,8 +345,9 @@ def main() -> int:
         if len(cpus) < 2:
             raise SystemExit("--pin needs at least 2 CPUs")
         args.no_heavy = True  # the heavy pair measures two workers sharing every CPU
-        placement = Placement(compute={cpus[-1]}, rest=set(cpus[:-1]))
-        os.sched_setaffinity(0, placement.rest or set())  # redis-server and the listener inherit
+        rest = set(cpus[:-1])
+        placement = Placement(compute={cpus[-1]}, rest=rest)
+        os.sched_setaffinity(0, rest)  # redis-server and the listener inherit it
         print(f"pinned: engine side and worker on CPU {cpus[-1]}, the rest on {cpus[:-1]}")
     pairs: list[tuple[Side, Side]] = []
     one_heavy = two_heavy = None
