@@ -191,6 +191,14 @@ class WorkerService:
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
         self.intake.ensure_groups()
+        inherited = self.claimer.inherit()  # before the first read: an earlier process's
+        if inherited:
+            log.warning(
+                "worker %s: %d requests are pending under this name from an earlier process "
+                "(crashed or killed); resuming them",
+                self.ws.name,
+                inherited,
+            )
         if self.pool is not None:
             self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
         self._beat()
@@ -202,7 +210,7 @@ class WorkerService:
         )
         now = time.monotonic()
         next_beat = now + self.ws.heartbeat_interval_s
-        next_claim = now + random.uniform(0, self.ws.claim_interval_s)
+        next_claim = now + (0.0 if inherited else random.uniform(0, self.ws.claim_interval_s))
         grace_deadline: float | None = None
         try:
             while True:
@@ -219,7 +227,9 @@ class WorkerService:
                     if now >= next_claim:
                         budget = self._budget() - self.reader.held
                         self._admit(self.claimer.claim(budget), claimed=True)
-                        next_claim = now + self.ws.claim_interval_s
+                        # inherited entries the engine had no room for: again next iteration
+                        pause = 0.0 if self.claimer.num_inherited else self.ws.claim_interval_s
+                        next_claim = now + pause
                     idle = not self.engine.has_unfinished()
                     wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
                     if idle and self.pool is not None:
@@ -405,9 +415,14 @@ class WorkerService:
             tok = self.engine.tokenizer
             if not getattr(tok, "chat_template", None):
                 raise InvalidRequest("this model's tokenizer has no chat template; send a prompt")
-            text = tok.apply_chat_template(
-                list(req.messages), tokenize=False, add_generation_prompt=True
-            )
+            try:
+                text = tok.apply_chat_template(
+                    list(req.messages), tokenize=False, add_generation_prompt=True
+                )
+            except Exception as exc:  # jinja2's TemplateError, or what the template raises
+                raise InvalidRequest(
+                    f"the model's chat template refused these messages: {exc}"
+                ) from exc
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return req.prompt or ""
 
@@ -616,7 +631,7 @@ class WorkerService:
                     ),
                 )
             )
-        self.publisher.publish([], finishes)
+        self._apply(self.publisher.publish([], finishes))  # counts them in the metrics
         for fin in finishes:
             self.jobs.pop(fin.job.request_id, None)
         if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
@@ -678,7 +693,8 @@ class WorkerService:
                 "running": len(self.jobs),
                 "waiting": cap.num_waiting,
                 "kv_blocks_used": used,
-                "kv_blocks_total": self._kv_total,
+                # before the first step the engine's free blocks are its total
+                "kv_blocks_total": self._kv_total or used + getattr(cap, "free_kv_blocks", 0),
                 "tokens_total": self._tokens_total,
                 "stopping": int(self.stop_requested),
                 **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),

@@ -193,3 +193,58 @@ def test_an_arrival_behind_a_drained_pull_joins_the_next_step(
     for rid in ("a1", "b1"):
         rec = record(r, keys, rid)
         assert rec is not None and rec.status == "done"
+
+
+def test_messages_the_chat_template_refuses_end_the_request_not_the_worker(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    """Llama-2, Mistral and Gemma templates raise (``raise_exception``) for roles that do not
+    alternate; that is the request's fault, so it ends ``error`` and the worker serves on."""
+    service.engine.tokenizer.chat_template = (
+        "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    )
+    messages = ({"role": "user", "content": "a"}, {"role": "user", "content": "b"})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    enqueue(r, keys, make_request("c1", messages=messages, sampling=params))
+    enqueue(r, keys, _request("c2"))
+    entries = service.intake.pull(4)
+    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    assert "c1" not in service._early and "c2" in service._early
+    service._admit(entries)
+    _run_to_end(service)
+    bad = record(r, keys, "c1")
+    assert bad is not None and bad.status == "error" and bad.code == "invalid_request"
+    assert "chat template refused" in (bad.message or "")
+    assert "roles must alternate" in (bad.message or "")
+    good = record(r, keys, "c2")
+    assert good is not None and good.status == "done"
+
+
+def test_a_failed_step_ends_its_requests_and_counts_them(
+    r: redis.Redis, keys: Keys, service: WorkerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enqueue(r, keys, _request("f1"))
+    service._admit(service.intake.pull(4))
+
+    def broken_step() -> Any:
+        raise RuntimeError("injected: the model runner blew up")
+
+    monkeypatch.setattr(service.engine, "step", broken_step)
+    service._step()
+    rec = record(r, keys, "f1")
+    assert rec is not None and rec.status == "error" and rec.code == "engine_error"
+    assert "injected" in (rec.message or "") and not service.jobs
+    sample = service.metrics.registry.get_sample_value(
+        "tokenfleet:request_success_total",
+        {"model_name": "default", "priority": "normal", "status": "error", "finished_reason": ""},
+    )
+    assert sample == 1
+
+
+def test_the_first_heartbeat_shows_the_kv_cache_size(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    service._beat()  # before any step
+    beat = r.hgetall(keys.worker("w1"))
+    assert int(beat[b"kv_blocks_used"]) == 0
+    assert int(beat[b"kv_blocks_total"]) == service.engine.capacity().free_kv_blocks > 0

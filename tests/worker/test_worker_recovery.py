@@ -181,3 +181,41 @@ def test_sigterm_under_load_hands_back_and_loses_nothing(
     finally:
         for w in workers.values():
             w.close()
+
+
+def test_a_worker_restarted_under_its_name_resumes_what_the_killed_one_ran(
+    tiny_model_dir: Path,
+    redis_server: RedisServer,
+    rr: redis.Redis,
+    reference: list[Any],
+    tmp_path: Path,
+) -> None:
+    """A supervisor restarts a killed worker with the same name (a container keeps HOST-PID):
+    no other worker would claim the old process's entries, since the name's heartbeat is alive
+    again, so the new process must take them over itself."""
+    keys = Keys("tfr")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    first = WorkerProc(tiny_model_dir, redis_server.url, "tfr", "r-a", tmp_path / "1")
+    second = None
+    try:
+        first.wait_ready(rr)
+        rids = [f"r-{i}" for i in range(2)]
+        log = subscribe(rr, keys, rids)
+        for rid, prompt in zip(rids, PROMPTS[:2], strict=True):
+            enqueue(rr, keys, make_request(rid, prompt=prompt, sampling=_greedy()))
+        _holder(rr, keys, rids)
+        first.signal(signal.SIGKILL)
+        assert first.wait() == -signal.SIGKILL
+        second = WorkerProc(tiny_model_dir, redis_server.url, "tfr", "r-a", tmp_path / "2")
+        _check_complete(rr, keys, log, rids, reference[:2])
+        assert "pending under this name from an earlier process" in second.output()
+        for rid in rids:
+            rec = record(rr, keys, rid)
+            assert rec is not None and rec.attempts == 2, rec  # each lived through a lost worker
+        second.signal(signal.SIGTERM)
+        assert second.wait() == 0, second.output()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()

@@ -21,6 +21,7 @@ from tokenfleet.shared.scripts.worker import (
     append_tokens_keys_args,
 )
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker import recovery
 from tokenfleet.worker.recovery import Claimer, Heartbeat
 
 STREAM = "tft:q:default:normal"
@@ -210,6 +211,54 @@ def test_claim_takes_only_entries_of_dead_owners(
     }
     assert sorted(owners.values()) == [b"alive", b"me"]
     assert claimer.claim(10) == []  # mine now, and alive's stays alive's
+
+
+def test_a_beat_drops_names_that_lapsed_long_ago(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    now = time.time()
+    r.zadd(keys.workers, {"old": now - recovery.LAPSED_KEEP_S - 5, "recent": now - 60})
+    Heartbeat(r, settings, worker_name="me", ttl_s=30).beat({"running": 0})
+    assert sorted(r.zrange(keys.workers, 0, -1)) == [b"me", b"recent"]
+
+
+def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(
+    r: redis.Redis, settings: Settings, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery, "PENDING_SCAN", 3)  # fewer live entries than a real scan
+    intake = make_intake(r, settings, worker_name="me")
+    for i in range(7):
+        enqueue(r, keys, make_request(f"y{i}"))
+    r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=5)
+    r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=2)
+    Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 5})
+    claimer = Claimer(r, intake, claim_idle_s=0)
+    # rounds of budget 1: y0-y2 (all live), y3-y5 (takes y5), y6 (takes y6)
+    got = [e.raw_id for _ in range(3) for e in claimer.claim(1)]
+    assert got == ["y5", "y6"]
+    owners = [p["consumer"] for p in r.xpending_range(STREAM, CONSUMER_GROUP, "-", "+", 10)]
+    assert owners == [b"alive"] * 5 + [b"me"] * 2
+
+
+def test_a_restarted_worker_inherits_what_its_name_left_pending(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    for rid in ("z1", "z2", "z3"):
+        enqueue(r, keys, make_request(rid))
+    r.xreadgroup(CONSUMER_GROUP, "me", {STREAM: ">"}, count=2)  # the earlier process
+    r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
+    for name in ("me", "alive"):  # the new process of "me" beats before it claims
+        Heartbeat(r, settings, worker_name=name, ttl_s=30).beat({"running": 0})
+    intake = make_intake(r, settings, worker_name="me")
+    claimer = Claimer(r, intake, claim_idle_s=3600)  # nothing is idle long enough to claim
+    assert claimer.claim(10) == []  # without inheriting, nobody ever takes them
+    assert claimer.inherit() == 2
+    assert [e.raw_id for e in claimer.claim(1)] == ["z1"]  # within the engine's room
+    assert claimer.num_inherited == 1
+    assert [e.raw_id for e in claimer.claim(10)] == ["z2"]
+    assert claimer.num_inherited == 0 and claimer.claim(10) == []
+    owners = [p["consumer"] for p in r.xpending_range(STREAM, CONSUMER_GROUP, "-", "+", 10)]
+    assert owners == [b"me", b"me", b"alive"]
 
 
 def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> None:
