@@ -35,7 +35,7 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) -m tokenfleet.worker.cli bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

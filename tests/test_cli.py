@@ -55,3 +55,26 @@ def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "tokenfleet"
     out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "demo" in out.stdout
+
+
+def test_bench_all_runs_every_script_and_fails_if_one_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenfleet.worker.commands import bench
+
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "workload.py").write_text("")
+    ran = tmp_path / "ran"
+    for name, script in bench.SCRIPTS.items():
+        code = 3 if name == "decode" else 0
+        (folder / script).write_text(
+            f"import sys\nopen({str(ran)!r}, 'a').write({name!r} + '\\n')\nsys.exit({code})\n"
+        )
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "all"]) == 1
+    assert ran.read_text().split() == list(bench.SCRIPTS)  # a failure does not stop the rest
+    captured = capsys.readouterr()
+    assert "failed: decode (exit 3)" in captured.err
+    assert cli.main(["bench", "all", "--", "--rounds", "3"]) == 2
+    assert "takes no script arguments" in capsys.readouterr().err

@@ -182,7 +182,11 @@ class WorkerSettings:
             if raw is None or raw == "":
                 continue
             values[name] = _parse(name, raw, var)
-        values.update({k: v for k, v in overrides.items() if v is not None})
+        flags = {k: v for k, v in overrides.items() if v is not None}
+        if {"kv_blocks", "kv_memory"} & flags.keys():  # one KV size given two ways: the flag's
+            values.pop("kv_blocks", None)
+            values.pop("kv_memory", None)
+        values.update(flags)
         if "kv_memory" in values:
             mem = values.pop("kv_memory")
             values["kv_memory_bytes"] = mem if isinstance(mem, int) else parse_memory(mem)

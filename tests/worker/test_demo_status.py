@@ -41,6 +41,10 @@ def test_demo_runs_a_fleet_end_to_end(
             "8",
             "--model",
             str(tiny_model_dir),
+            "--model-name",  # the requests must ask for the name the workers serve
+            "tiny",
+            "--timeout",
+            "120",
         ],
         cwd=tmp_path,
         env=env,

@@ -33,6 +33,14 @@ def test_environment_then_flags() -> None:
     assert ws.engine_overrides()["kv_memory_bytes"] == 2 * 2**30
 
 
+def test_a_kv_size_flag_replaces_the_environments_other_kv_size() -> None:
+    env = {"TOKENFLEET_MODEL": "/m", "TOKENFLEET_KV_BLOCKS": "10"}
+    ws = WorkerSettings.from_env(env, kv_memory="1G")
+    assert ws.kv_memory_bytes == 2**30 and ws.kv_blocks is None
+    with pytest.raises(SettingsError, match="not both"):  # both from the environment
+        WorkerSettings.from_env({**env, "TOKENFLEET_KV_MEMORY": "1G"})
+
+
 def test_every_worker_variable_is_accepted_by_the_shared_settings() -> None:
     env = dict.fromkeys(ENV_VARS, "1")
     Settings.from_env(env)  # would raise SettingsError on an unknown TOKENFLEET_ variable

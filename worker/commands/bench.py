@@ -3,7 +3,9 @@
 The scripts live in the source tree (they are not installed): this command finds the folder
 under the current directory or next to an editable install and runs the chosen script with the
 same interpreter, passing the remaining arguments through. ``tokenfleet bench`` alone runs the
-end-to-end worker benchmark (``benchmarks/bench_worker_e2e.py``).
+end-to-end worker benchmark (``benchmarks/bench_worker_e2e.py``); ``tokenfleet bench all`` (what
+``make bench`` runs) runs every script with its defaults, one after the other, and fails if any
+failed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,10 @@ SCRIPTS = {
     "engine": "bench_engine_workload.py",
     "producer": "bench_producer.py",
     "decode": "bench_decode_step.py",
+    "pool": "bench_kv_pool.py",
+    "compute-share": "bench_compute_share.py",
 }
+ALL = "all"
 
 
 def register(subparsers: Any) -> None:
@@ -30,7 +36,11 @@ def register(subparsers: Any) -> None:
         "to it (e.g. tokenfleet bench e2e -- --requests 32).",
     )
     p.add_argument(
-        "which", nargs="?", default="e2e", choices=sorted(SCRIPTS), help="which benchmark (e2e)"
+        "which",
+        nargs="?",
+        default="e2e",
+        choices=[*sorted(SCRIPTS), ALL],
+        help="which benchmark (default e2e; all: every one in turn)",
     )
     p.add_argument(
         "--redis-url",
@@ -67,4 +77,26 @@ def func(args: argparse.Namespace) -> int:
             )
             return 2
         extra = ["--redis-url", args.redis_url, *extra]
+    if args.which == ALL:
+        if extra:
+            print("tokenfleet bench all: takes no script arguments", file=sys.stderr)
+            return 2
+        return run_all(folder)
     return subprocess.call([sys.executable, str(folder / SCRIPTS[args.which]), *extra])
+
+
+def run_all(folder: Path) -> int:
+    """Every benchmark with its defaults, in turn; 0 only if each exited 0. A failure does not
+    stop the others (each measures something different), it is listed at the end."""
+    failed: list[str] = []
+    for i, (name, script) in enumerate(SCRIPTS.items(), start=1):
+        print(f"\n== tokenfleet bench {name} ({i}/{len(SCRIPTS)}): {script} ==", flush=True)
+        started = time.monotonic()
+        code = subprocess.call([sys.executable, str(folder / script)])
+        print(f"== {name}: exit {code} after {time.monotonic() - started:.0f} s ==", flush=True)
+        if code != 0:
+            failed.append(f"{name} (exit {code})")
+    if failed:
+        print("tokenfleet bench all: failed: " + ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0

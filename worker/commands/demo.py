@@ -11,6 +11,7 @@ Every run uses its own key prefix unless ``--workers 0``, so a shared Redis is n
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import sys
 import threading
@@ -66,7 +67,12 @@ def register(subparsers: Any) -> None:
         default=None,
         help="model folder or hub id for the workers (default: the tiny model)",
     )
-    p.add_argument("--model-name", default="default", help="served model name (default)")
+    p.add_argument(
+        "--model-name",
+        default=os.environ.get("TOKENFLEET_MODEL_NAME") or "default",
+        help="served model name: the workers serve it and the requests ask for it "
+        "($TOKENFLEET_MODEL_NAME, else default)",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="max tokens per request (48)")
     p.add_argument(
         "--redis-url",
@@ -125,7 +131,7 @@ def _with_fleet(args: argparse.Namespace, settings: Any) -> int:
     return code or (1 if any(codes) else 0)
 
 
-def _requests(n: int, max_tokens: int) -> list[dict[str, Any]]:
+def _requests(n: int, max_tokens: int, model_name: str) -> list[dict[str, Any]]:
     out = []
     for i in range(n):
         prompt = PROMPTS[i % len(PROMPTS)]
@@ -135,6 +141,7 @@ def _requests(n: int, max_tokens: int) -> list[dict[str, Any]]:
             "temperature": 0.8,
             "seed": i,
             "request_id": f"demo-{i:02d}-{uuid.uuid4().hex[:6]}",
+            "model": model_name,
         }
         if i % 2:
             spec["messages"] = [{"role": "user", "content": prompt}]
@@ -149,7 +156,7 @@ def _requests(n: int, max_tokens: int) -> list[dict[str, Any]]:
 def _run(args: argparse.Namespace, settings: Any) -> int:
     from tokenfleet.producer import Client
 
-    specs = _requests(args.requests, args.max_tokens)
+    specs = _requests(args.requests, args.max_tokens, args.model_name)
     events: queue.Queue[tuple[str, Any]] = queue.Queue()
     rows: dict[str, Row] = {}
     with Client.from_url(settings.redis_url, settings=settings) as client:

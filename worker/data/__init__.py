@@ -1,0 +1,1 @@
+"""Data files shipped with the worker (the tiny model's tokenizer corpus)."""
