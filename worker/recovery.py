@@ -18,15 +18,19 @@ Inheriting: a worker process that starts under a name an earlier process used (a
 container keeps its ``HOST-PID`` name, a supervisor restarts ``--name gpu-0``) finds that
 process's entries still pending under its own name. No other worker claims them (the name's
 heartbeat is alive again), so the new process takes them over itself (:meth:`Claimer.inherit`,
-before its first read) and resumes them like any claimed entry; each counts as a lost worker
-for the poison guard, as a claim would.
+after its first heartbeat and before its first read) and resumes them like any claimed entry;
+each counts as a lost worker for the poison guard, as a claim would. Each is claimed with the
+idle time it had when listed as the min idle, so one that another worker claimed in between
+(the earlier process's heartbeat had lapsed) stays with that worker. Worker names must be
+unique among live processes: a second live process under one name takes over the first's work.
 
-Invariant: an entry whose owner has a live heartbeat is never claimed, except by that owner's
-own name, for entries pending from before the process started.
+Invariant: an entry whose owner has a live heartbeat is never claimed, except by a process of
+the owner's own name, for entries pending from before that process started.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -35,9 +39,12 @@ from typing import Any
 import redis
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Entry, Intake
+
+log = logging.getLogger(__name__)
 
 PENDING_SCAN = 100  # pending entries looked at per stream and claim round
 LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers
@@ -84,43 +91,84 @@ class Claimer:
         self.keys = intake.keys
         self.worker_name = intake.worker_name
         self.min_idle_ms = max(0, int(claim_idle_s * 1000))
-        self._inherited: dict[str, list[str]] = {}  # stream -> ids an earlier process left
+        # stream -> (entry id, idle ms when listed) of what an earlier process of this name left
+        self._inherited: dict[str, list[tuple[str, int]]] = {}
         self._cursor: dict[str, str] = {}  # stream -> where the next scan starts ("(ID")
 
     @property
     def num_inherited(self) -> int:
         """Entries inherited from an earlier process of this name and not yet taken over."""
-        return sum(len(ids) for ids in self._inherited.values())
+        return sum(len(found) for found in self._inherited.values())
 
     def inherit(self) -> int:
-        """Note the entries pending under this worker's own name (call once, before the first
-        read: they can only be an earlier process's); :meth:`claim` takes them over first.
-        Returns how many there are."""
-        for p in self.intake.priorities:
-            stream = self.intake.streams[p]
-            ids: list[str] = []
-            start = "-"
-            while True:
-                try:
-                    pending: Any = self.client.xpending_range(
-                        stream,
-                        CONSUMER_GROUP,
-                        min=start,
-                        max="+",
-                        count=PENDING_SCAN,
-                        consumername=self.worker_name,
-                    )
-                except redis.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    break
-                ids += [as_str(e["message_id"]) or "" for e in pending]
-                if len(pending) < PENDING_SCAN:
-                    break
-                start = "(" + ids[-1]
-            if ids:
-                self._inherited[stream] = ids
+        """Note the entries pending under this worker's own name, which can only be an earlier
+        process's (call once, after the first heartbeat and before the first read); :meth:`claim`
+        takes them over first. Entries in streams this process does not serve (its model name or
+        priorities changed) are passed on to a consumer that never beats, ``NAME~gone``, with
+        their idle time kept, for the workers that serve them to claim. Returns how many this
+        process will take over."""
+        served = set(self.intake.streams.values())
+        for stream in served:
+            found = self._own_pending(stream)
+            if found:
+                self._inherited[stream] = found
+        for member in self.client.smembers(self.keys.queues):
+            model, _, label = (as_str(member) or "").rpartition("|")
+            try:
+                stream = self.keys.stream(model, Priority.parse(label))
+            except ValueError:
+                continue
+            if stream not in served:
+                self._pass_on(stream, self._own_pending(stream))
         return self.num_inherited
+
+    def _own_pending(self, stream: str) -> list[tuple[str, int]]:
+        """(entry id, idle ms) of every entry pending under this worker's name in ``stream``."""
+        found: list[tuple[str, int]] = []
+        start = "-"
+        while True:
+            try:
+                pending: Any = self.client.xpending_range(
+                    stream,
+                    CONSUMER_GROUP,
+                    min=start,
+                    max="+",
+                    count=PENDING_SCAN,
+                    consumername=self.worker_name,
+                )
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                return found
+            found += [
+                (as_str(e["message_id"]) or "", int(e["time_since_delivered"])) for e in pending
+            ]
+            if len(pending) < PENDING_SCAN:
+                return found
+            start = "(" + found[-1][0]
+
+    def _pass_on(self, stream: str, found: list[tuple[str, int]]) -> None:
+        if not found:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, idle_ms in found:  # min idle as seen: an entry claimed since is skipped
+            pipe.xclaim(
+                stream,
+                CONSUMER_GROUP,
+                f"{self.worker_name}~gone",
+                idle_ms,
+                [entry_id],
+                idle=idle_ms,
+                justid=True,
+            )
+        pipe.execute()
+        log.warning(
+            "worker %s: %d entries pending under this name in %s, which it does not serve, "
+            "are left for the workers that do",
+            self.worker_name,
+            len(found),
+            stream,
+        )
 
     def claim(self, budget: int) -> list[Entry]:
         """Claim up to ``budget`` entries of dead owners, most urgent stream first (inherited
@@ -134,7 +182,7 @@ class Claimer:
             if inherited:
                 take = inherited[: budget - len(out)]
                 del inherited[: len(take)]
-                out += self._xclaim(stream, take, min_idle_ms=0)  # ours already: no race
+                out += self._take_over(stream, take)
                 if len(out) >= budget:
                     break
             start = self._cursor.get(stream, "-")
@@ -179,14 +227,28 @@ class Claimer:
                 break
         return out
 
+    def _take_over(self, stream: str, found: list[tuple[str, int]]) -> list[Entry]:
+        """XCLAIM inherited entries, each with the idle time it had when listed as its min idle:
+        an entry another worker claimed meanwhile (its earlier process's heartbeat had lapsed)
+        has been idle for less since, so it stays that worker's."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, idle_ms in found:
+            pipe.xclaim(stream, CONSUMER_GROUP, self.worker_name, idle_ms, [entry_id])
+        return self._entries(stream, [e for reply in pipe.execute() for e in reply])
+
     def _xclaim(self, stream: str, ids: list[str], *, min_idle_ms: int) -> list[Entry]:
         if not ids:
             return []
         claimed: Any = self.client.xclaim(
             stream, CONSUMER_GROUP, self.worker_name, min_idle_ms, list(ids)
         )
+        return self._entries(stream, claimed)
+
+    def _entries(self, stream: str, claimed: Any) -> list[Entry]:
         out: list[Entry] = []
         for entry_id, fields in claimed:
+            if entry_id is None:  # Redis 6.2 answers nil for an entry deleted meanwhile
+                continue
             if fields is None:  # deleted meanwhile (finished by someone): drop it from the PEL
                 self.client.xack(stream, CONSUMER_GROUP, entry_id)
                 continue

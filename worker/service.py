@@ -85,6 +85,7 @@ from tokenfleet.worker.worker_settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+INHERIT_RETRY_S = 0.1  # inherited entries waiting for engine room: how often to look again
 EXIT_ENGINE_BROKEN = 3
 
 
@@ -191,6 +192,9 @@ class WorkerService:
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
         self.intake.ensure_groups()
+        if self.pool is not None:
+            self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
+        self._beat()  # first: from now on nobody else claims what this name holds
         inherited = self.claimer.inherit()  # before the first read: an earlier process's
         if inherited:
             log.warning(
@@ -199,9 +203,6 @@ class WorkerService:
                 self.ws.name,
                 inherited,
             )
-        if self.pool is not None:
-            self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
-        self._beat()
         log.info(
             "worker %s ready: model %s, priorities %s",
             self.ws.name,
@@ -227,14 +228,15 @@ class WorkerService:
                     if now >= next_claim:
                         budget = self._budget() - self.reader.held
                         self._admit(self.claimer.claim(budget), claimed=True)
-                        # inherited entries the engine had no room for: again next iteration
-                        pause = 0.0 if self.claimer.num_inherited else self.ws.claim_interval_s
+                        pause = self.ws.claim_interval_s
+                        if self.claimer.num_inherited:  # left for want of room: again soon
+                            pause = 0.0 if budget > 0 else min(pause, INHERIT_RETRY_S)
                         next_claim = now + pause
                     idle = not self.engine.has_unfinished()
                     wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
                     if idle and self.pool is not None:
                         wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
-                    self._deliver(self.reader.poll(self._budget(), max(0.0, wait_s)))
+                    self._deliver(self.reader.poll(self._read_budget(), max(0.0, wait_s)))
                 if self.engine.has_unfinished():
                     self._step()
                     if self.exit_code:
@@ -290,6 +292,11 @@ class WorkerService:
         if by_kv == 0 and cap.num_running == 0:
             by_kv = 1  # an idle engine always takes one: it refuses what can never fit
         return max(0, min(cap.free_seq_slots, by_kv))
+
+    def _read_budget(self) -> int:
+        """How many new entries the intake may read: none while requests inherited from an
+        earlier process of this name wait for room (they are older, and go first)."""
+        return 0 if self.claimer.num_inherited else self._budget()
 
     def _deliver(self, delivery: Delivery) -> None:
         """Take in what the intake read and started: early jobs go into the engine at once, started
@@ -441,7 +448,7 @@ class WorkerService:
         # (a START, or the blocking read that follows a drained pull) has answered by the
         # loop's poll after the publish, so an arrival it finds joins the very next step
         # (polled only at the loop's top, it waited one step more).
-        self._deliver(self.reader.poll(self._budget()))
+        self._deliver(self.reader.poll(self._read_budget()))
         if self._early:
             self._resolve_early({out.request_id for out in outputs})
         firsts: list[tuple[Job, list[TokenEvent]]] = []  # requests' first tokens (TTFT)

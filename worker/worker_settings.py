@@ -147,7 +147,10 @@ class WorkerSettings:
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         if self.kv_blocks is not None and self.kv_memory_bytes is not None:
-            raise SettingsError("give either --kv-blocks or --kv-memory, not both")
+            raise SettingsError(
+                "give either --kv-blocks or --kv-memory (TOKENFLEET_KV_BLOCKS or "
+                "TOKENFLEET_KV_MEMORY), not both"
+            )
         for name in ("max_num_seqs", "max_batched_tokens", "block_size", "poison_limit"):
             _check_positive(name, getattr(self, name))
         for name in ("kv_blocks", "kv_memory_bytes", "threads"):

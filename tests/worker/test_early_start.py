@@ -248,3 +248,19 @@ def test_the_first_heartbeat_shows_the_kv_cache_size(
     beat = r.hgetall(keys.worker("w1"))
     assert int(beat[b"kv_blocks_used"]) == 0
     assert int(beat[b"kv_blocks_total"]) == service.engine.capacity().free_kv_blocks > 0
+
+
+def test_inherited_requests_go_before_new_arrivals(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    enqueue(r, keys, _request("old1"))
+    service.intake.pull(4)  # read as "w1" by the earlier process of this name, which died
+    enqueue(r, keys, _request("new1"))
+    assert service.claimer.inherit() == 1
+    assert service._budget() > 0 and service._read_budget() == 0  # the intake waits
+    service._admit(service.claimer.claim(service._budget()), claimed=True)
+    assert "old1" in service.jobs and service.claimer.num_inherited == 0
+    assert service._read_budget() == service._budget()  # reading again as usual
+    _run_to_end(service)
+    rec = record(r, keys, "old1")
+    assert rec is not None and rec.status == "done" and rec.attempts == 1  # read, never started

@@ -205,6 +205,13 @@ def test_a_worker_restarted_under_its_name_resumes_what_the_killed_one_ran(
         for rid, prompt in zip(rids, PROMPTS[:2], strict=True):
             enqueue(rr, keys, make_request(rid, prompt=prompt, sampling=_greedy()))
         _holder(rr, keys, rids)
+        wait_for(
+            lambda: all(
+                (rec := record(rr, keys, rid)) is not None and rec.status == "running"
+                for rid in rids
+            ),
+            "both requests running",
+        )
         first.signal(signal.SIGKILL)
         assert first.wait() == -signal.SIGKILL
         second = WorkerProc(tiny_model_dir, redis_server.url, "tfr", "r-a", tmp_path / "2")

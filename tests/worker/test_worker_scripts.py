@@ -261,6 +261,42 @@ def test_a_restarted_worker_inherits_what_its_name_left_pending(
     assert owners == [b"me", b"me", b"alive"]
 
 
+def test_an_inherited_entry_another_worker_claimed_meanwhile_stays_with_it(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    for rid in ("v1", "v2"):
+        enqueue(r, keys, make_request(rid))
+    read: Any = r.xreadgroup(CONSUMER_GROUP, "me", {STREAM: ">"}, count=2)  # earlier process
+    ids = [entry_id for entry_id, _ in read[0][1]]
+    r.xclaim(STREAM, CONSUMER_GROUP, "me", 0, ids, idle=60_000)  # died a minute ago
+    claimer = Claimer(r, make_intake(r, settings, worker_name="me"), claim_idle_s=3600)
+    assert claimer.inherit() == 2
+    # meanwhile a live worker claims v1: the earlier process's heartbeat had lapsed
+    r.xclaim(STREAM, CONSUMER_GROUP, "other", 30_000, [ids[0]])
+    assert [e.raw_id for e in claimer.claim(10)] == ["v2"]
+    owners = [p["consumer"] for p in r.xpending_range(STREAM, CONSUMER_GROUP, "-", "+", 10)]
+    assert owners == [b"other", b"me"]
+
+
+def test_inherited_entries_of_queues_no_longer_served_are_left_for_their_workers(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    """The earlier process of this name served the critical queue too; this one does not."""
+    enqueue(r, keys, make_request("u1", priority=Priority.CRITICAL))
+    crit = keys.stream("default", Priority.CRITICAL)
+    read: Any = r.xreadgroup(CONSUMER_GROUP, "me", {crit: ">"}, count=1)
+    ((_, [(entry_id, _)]),) = read
+    r.xclaim(crit, CONSUMER_GROUP, "me", 0, [entry_id], idle=60_000)
+    claimer = Claimer(r, make_intake(r, settings, worker_name="me"), claim_idle_s=3600)
+    assert claimer.inherit() == 0  # normal only: nothing of its own to resume
+    listed: Any = r.xpending_range(crit, CONSUMER_GROUP, "-", "+", 10)
+    (pending,) = listed
+    assert pending["consumer"] == b"me~gone" and pending["time_since_delivered"] >= 60_000
+    serving = make_intake(r, settings, worker_name="crit", priorities=[Priority.CRITICAL])
+    claimed = Claimer(r, serving, claim_idle_s=30).claim(10)  # "me~gone" never beats
+    assert [e.raw_id for e in claimed] == ["u1"]
+
+
 def test_script_pipeline_survives_a_script_flush(r: redis.Redis, keys: Keys) -> None:
     from tokenfleet.worker.pipelined import ScriptPipeline
 
