@@ -214,9 +214,9 @@ def run_hf_cb(
     # computes with the same number of threads.
     loop = manager._run_generation_loop
 
-    def loop_with_threads() -> None:
+    def loop_with_threads(*loop_args: Any, **loop_kwargs: Any) -> None:  # 5.x passes kwargs
         torch.set_num_threads(args.threads)
-        loop()
+        loop(*loop_args, **loop_kwargs)
 
     manager._run_generation_loop = loop_with_threads
     manager.start()
@@ -225,6 +225,8 @@ def run_hf_cb(
         def drain(expected: int, feed: Callable[[], float | None]) -> list[Any]:
             done: list[Any] = []
             while len(done) < expected:
+                if not manager.is_running():  # its thread died: its traceback is above
+                    raise RuntimeError("hf-cb: the continuous batching manager stopped")
                 timeout = feed()
                 result = manager.get_result(
                     timeout=0.05 if timeout is None else max(timeout, 0.001)

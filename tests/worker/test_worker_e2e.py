@@ -26,9 +26,11 @@ from worker_helpers import (
     wait_terminal,
 )
 
+from tokenfleet.producer import Client
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import SamplingParams, TerminalEvent
+from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
 from tokenfleet.worker.local_redis import RedisServer, free_port
 
@@ -144,9 +146,9 @@ def test_cancel_mid_stream(worker: WorkerProc, rr: redis.Redis) -> None:
         ),
     )
     wait_for(lambda: len(log.tokens(rid)) >= 3, "a few tokens")
-    # what the producer's cancel() does for a running request
     assert (record(rr, KEYS, rid) or pytest.fail("no record")).status == "running"
-    rr.sadd(KEYS.cancel_set, rid)
+    client = Client(rr, settings=Settings(key_prefix=PREFIX))
+    assert client.cancel(rid)  # running: asked for, the worker stops it at its next step
     term = log.wait_terminal(rid)
     rec = wait_terminal(rr, KEYS, rid)
     assert term.status == "cancelled" and rec.status == "cancelled"

@@ -226,3 +226,26 @@ def test_a_worker_restarted_under_its_name_resumes_what_the_killed_one_ran(
         first.close()
         if second is not None:
             second.close()
+
+
+def test_sigterm_lets_a_running_request_finish_within_the_grace_period(
+    tiny_model_dir: Path, redis_server: RedisServer, rr: redis.Redis, tmp_path: Path
+) -> None:
+    keys = Keys("tfg")
+    w = WorkerProc(tiny_model_dir, redis_server.url, "tfg", "g-a", tmp_path, "--grace-s", "120")
+    try:
+        w.wait_ready(rr)
+        log = subscribe(rr, keys, ["g-0"])
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        enqueue(rr, keys, make_request("g-0", sampling=params))
+        wait_for(lambda: len(log.tokens("g-0")) >= 3, "g-0's first tokens")
+        w.signal(signal.SIGTERM)
+        assert w.wait() == 0, w.output()
+        term = log.wait_terminal("g-0")
+        assert term.status == "done" and term.num_tokens == 60  # finished, not handed back
+        assert [e.index for e in log.tokens("g-0")] == list(range(60))
+        assert "handed back" not in w.output()
+        rec = record(rr, keys, "g-0")
+        assert rec is not None and rec.status == "done" and rec.attempts == 1
+    finally:
+        w.close()
