@@ -350,6 +350,9 @@ class WorkerService:
         rid = job.request_id
         if rid in self.jobs or rid in self._early or rid in self._aborting:
             return  # the started job will sort it out
+        deadline = job.request.deadline
+        if deadline is not None and deadline <= time.time():
+            return  # START will refuse it as expired: spare the engine its prefill
         try:
             self._engine_add(job)
         except (ValueError, TypeError):

@@ -8,6 +8,7 @@ exact; the last test drives the real reader, waiting for each reply before the l
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -264,3 +265,16 @@ def test_inherited_requests_go_before_new_arrivals(
     _run_to_end(service)
     rec = record(r, keys, "old1")
     assert rec is not None and rec.status == "done" and rec.attempts == 1  # read, never started
+
+
+def test_an_expired_request_is_not_started_early(
+    r: redis.Redis, keys: Keys, service: WorkerService
+) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    enqueue(r, keys, make_request("x1", sampling=params, deadline=time.time() - 1))
+    entries = service.intake.pull(4)
+    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    assert not service._early and not service.engine.has_unfinished()  # no prefill for it
+    service._admit(entries)
+    rec = record(r, keys, "x1")
+    assert rec is not None and rec.status == "expired" and rec.started_at is None
