@@ -127,18 +127,8 @@ class Claimer:
         found: list[tuple[str, int]] = []
         start = "-"
         while True:
-            try:
-                pending: Any = self.client.xpending_range(
-                    stream,
-                    CONSUMER_GROUP,
-                    min=start,
-                    max="+",
-                    count=PENDING_SCAN,
-                    consumername=self.worker_name,
-                )
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
+            pending = self._pending(stream, start, consumername=self.worker_name)
+            if pending is None:
                 return found
             found += [
                 (as_str(e["message_id"]) or "", int(e["time_since_delivered"])) for e in pending
@@ -146,6 +136,19 @@ class Claimer:
             if len(pending) < PENDING_SCAN:
                 return found
             start = "(" + found[-1][0]
+
+    def _pending(self, stream: str, start: str, **filters: Any) -> list[Any] | None:
+        """Up to ``PENDING_SCAN`` pending entries of ``stream`` from ``start`` on (XPENDING's
+        extended form with ``filters``); None if the stream or its group is gone."""
+        try:
+            pending: Any = self.client.xpending_range(
+                stream, CONSUMER_GROUP, min=start, max="+", count=PENDING_SCAN, **filters
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            return None
+        return list(pending)
 
     def _pass_on(self, stream: str, found: list[tuple[str, int]]) -> None:
         if not found:
@@ -186,18 +189,8 @@ class Claimer:
                 if len(out) >= budget:
                     break
             start = self._cursor.get(stream, "-")
-            try:
-                pending: Any = self.client.xpending_range(
-                    stream,
-                    CONSUMER_GROUP,
-                    min=start,
-                    max="+",
-                    count=PENDING_SCAN,
-                    idle=self.min_idle_ms,
-                )
-            except redis.ResponseError as exc:
-                if "NOGROUP" not in str(exc):
-                    raise
+            pending = self._pending(stream, start, idle=self.min_idle_ms)
+            if pending is None:
                 continue
             # the next round looks further down, unless this one leaves dead entries unclaimed
             if len(pending) < PENDING_SCAN:
