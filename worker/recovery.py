@@ -100,6 +100,11 @@ class Claimer:
         """Entries inherited from an earlier process of this name and not yet taken over."""
         return sum(len(found) for found in self._inherited.values())
 
+    @property
+    def inheriting(self) -> bool:
+        """Inherited entries are still waiting (O(1): emptied streams leave the dict)."""
+        return bool(self._inherited)
+
     def inherit(self) -> int:
         """Note the entries pending under this worker's own name, which can only be an earlier
         process's (call once, after the first heartbeat and before the first read); :meth:`claim`
@@ -150,21 +155,24 @@ class Claimer:
             return None
         return list(pending)
 
+    def _claim_each(
+        self, stream: str, found: list[tuple[str, int]], consumer: str, *, keep_idle: bool = False
+    ) -> list[Any]:
+        """One XCLAIM per inherited entry for ``consumer``, each with the idle time it had when
+        listed as its min idle: an entry another worker claimed meanwhile (the earlier process's
+        heartbeat had lapsed) has been idle for less since, so it stays that worker's.
+        ``keep_idle``: ids only, idle time unchanged (entries passed on, for others to claim).
+        Returns the replies."""
+        pipe = self.client.pipeline(transaction=False)
+        for entry_id, idle_ms in found:
+            extra: dict[str, Any] = {"idle": idle_ms, "justid": True} if keep_idle else {}
+            pipe.xclaim(stream, CONSUMER_GROUP, consumer, idle_ms, [entry_id], **extra)
+        return list(pipe.execute())
+
     def _pass_on(self, stream: str, found: list[tuple[str, int]]) -> None:
         if not found:
             return
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id, idle_ms in found:  # min idle as seen: an entry claimed since is skipped
-            pipe.xclaim(
-                stream,
-                CONSUMER_GROUP,
-                f"{self.worker_name}~gone",
-                idle_ms,
-                [entry_id],
-                idle=idle_ms,
-                justid=True,
-            )
-        pipe.execute()
+        self._claim_each(stream, found, f"{self.worker_name}~gone", keep_idle=True)
         log.warning(
             "worker %s: %d entries pending under this name in %s, which it does not serve, "
             "are left for the workers that do",
@@ -185,7 +193,10 @@ class Claimer:
             if inherited:
                 take = inherited[: budget - len(out)]
                 del inherited[: len(take)]
-                out += self._take_over(stream, take)
+                if not inherited:
+                    del self._inherited[stream]
+                replies = self._claim_each(stream, take, self.worker_name)
+                out += self._entries(stream, [e for reply in replies for e in reply])
                 if len(out) >= budget:
                     break
             start = self._cursor.get(stream, "-")
@@ -219,15 +230,6 @@ class Claimer:
             if len(out) >= budget:
                 break
         return out
-
-    def _take_over(self, stream: str, found: list[tuple[str, int]]) -> list[Entry]:
-        """XCLAIM inherited entries, each with the idle time it had when listed as its min idle:
-        an entry another worker claimed meanwhile (its earlier process's heartbeat had lapsed)
-        has been idle for less since, so it stays that worker's."""
-        pipe = self.client.pipeline(transaction=False)
-        for entry_id, idle_ms in found:
-            pipe.xclaim(stream, CONSUMER_GROUP, self.worker_name, idle_ms, [entry_id])
-        return self._entries(stream, [e for reply in pipe.execute() for e in reply])
 
     def _xclaim(self, stream: str, ids: list[str], *, min_idle_ms: int) -> list[Entry]:
         if not ids:

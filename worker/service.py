@@ -229,7 +229,7 @@ class WorkerService:
                         budget = self._budget() - self.reader.held
                         self._admit(self.claimer.claim(budget), claimed=True)
                         pause = self.ws.claim_interval_s
-                        if self.claimer.num_inherited:  # left for want of room: again soon
+                        if self.claimer.inheriting:  # left for want of room: again soon
                             pause = 0.0 if budget > 0 else min(pause, INHERIT_RETRY_S)
                         next_claim = now + pause
                     idle = not self.engine.has_unfinished()
@@ -296,7 +296,7 @@ class WorkerService:
     def _read_budget(self) -> int:
         """How many new entries the intake may read: none while requests inherited from an
         earlier process of this name wait for room (they are older, and go first)."""
-        return 0 if self.claimer.num_inherited else self._budget()
+        return 0 if self.claimer.inheriting else self._budget()
 
     def _deliver(self, delivery: Delivery) -> None:
         """Take in what the intake read and started: early jobs go into the engine at once, started
