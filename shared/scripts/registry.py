@@ -8,9 +8,11 @@ script lists in ``ok_codes``) is success; any other code is mapped to an excepti
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 from tokenfleet.shared.errors import (
@@ -39,6 +41,32 @@ class LuaScript:
     name: str
     source: str
     ok_codes: frozenset[str] = field(default_factory=lambda: frozenset({"ok"}))
+
+
+_INCLUDE = re.compile(r"^-- @include ([\w.-]+\.lua)[ \t]*$", re.MULTILINE)
+
+
+def read_lua(package: str, filename: str) -> str:
+    """The text of ``filename`` in ``package``'s folder, each ``-- @include NAME.lua`` line
+    replaced by that file's text (from the same folder, recursively). Includes hold shared
+    ``local function`` definitions; a script keeps its own KEYS/ARGV header first."""
+    text = resources.files(package).joinpath(filename).read_text(encoding="utf-8")
+    return _INCLUDE.sub(lambda m: read_lua(package, m.group(1)).rstrip("\n"), text)
+
+
+def load_lua(
+    package: str, filename: str, *, ok_codes: Sequence[str] = (), name: str | None = None
+) -> LuaScript:
+    """A :class:`LuaScript` from a ``.lua`` file shipped in ``package``; its name is the file's
+    stem unless ``name`` is given. The file must open with its ``-- KEYS``/``-- ARGV`` header
+    (a script that takes neither says ``-- KEYS: none``): a script without one is refused here,
+    at import time, not when it first runs."""
+    source = read_lua(package, filename)
+    first = next((line for line in source.splitlines() if line.strip()), "")
+    if not first.startswith(("-- KEYS", "-- ARGV")):
+        raise ValueError(f"{package}/{filename} must open with its -- KEYS/ARGV header comment")
+    stem = filename.removesuffix(".lua")
+    return LuaScript(name=name or stem, source=source, ok_codes=frozenset({"ok", *ok_codes}))
 
 
 # client -> {script name -> redis-py Script object}; weak so closed clients are forgotten.
