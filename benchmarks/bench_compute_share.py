@@ -172,9 +172,9 @@ def main() -> int:
 
     from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.scripts.pool import PoolConfig
+    from tokenfleet.worker.devtools.local_redis import RedisServer
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
     from tokenfleet.worker.kv_pool import create_pool
-    from tokenfleet.worker.local_redis import RedisServer
-    from tokenfleet.worker.tiny_model import make_tiny_model
 
     pair = [("light", 1.0), ("heavy", 3.0)]
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:

@@ -158,7 +158,7 @@ def main() -> None:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    from tokenfleet.worker.tiny_model import make_tiny_model
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")

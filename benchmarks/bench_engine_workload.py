@@ -300,7 +300,7 @@ def in_thread(side: Callable[[], SideResult], num_threads: int) -> SideResult:
 def main() -> None:
     args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
-    from tokenfleet.worker.tiny_model import make_tiny_model
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")

@@ -39,6 +39,7 @@ import redis
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.scripts.pool import PoolConfig
+from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.kv_pool import (
     KVPoolMember,
     PoolGrant,
@@ -46,7 +47,6 @@ from tokenfleet.worker.kv_pool import (
     create_pool,
     plan_blocks,
 )
-from tokenfleet.worker.local_redis import RedisServer
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BLOCK_SIZE = 16

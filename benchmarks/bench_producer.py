@@ -24,7 +24,7 @@ import redis
 from tokenfleet.producer import Client
 from tokenfleet.producer.request import prepare
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.local_redis import RedisServer
+from tokenfleet.worker.devtools.local_redis import RedisServer
 
 PROMPT = "Summarise the following paragraph in one sentence: " + "lorem ipsum " * 20
 BATCH = 1000

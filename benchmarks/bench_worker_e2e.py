@@ -230,7 +230,7 @@ def run_fleet(
 ) -> Side:
     from tokenfleet.producer import Client
     from tokenfleet.shared.settings import Settings
-    from tokenfleet.worker.fleet import LocalFleet, delete_prefix
+    from tokenfleet.worker.devtools.local_fleet import LocalFleet, delete_prefix
 
     prefix = f"bench-{uuid.uuid4().hex[:6]}"
     settings = Settings(redis_url=url, key_prefix=prefix, record_ttl_s=600)
@@ -307,8 +307,8 @@ def main() -> int:
     args = build_parser().parse_args()
     import torch
 
-    from tokenfleet.worker.fleet import cached_tiny_model
-    from tokenfleet.worker.local_redis import RedisServer
+    from tokenfleet.worker.devtools.local_redis import RedisServer
+    from tokenfleet.worker.devtools.tiny_model import cached_tiny_model
 
     torch.set_num_threads(1)
     model = args.model or str(cached_tiny_model())

@@ -21,7 +21,7 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.local_redis import RedisServer
+from tokenfleet.worker.devtools.local_redis import RedisServer
 
 REAL_FIXTURES = frozenset({"redis_server", "redis_url", "r", "settings"})
 
@@ -72,7 +72,7 @@ def keys() -> Keys:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama (4 layers, GQA 8/2 heads) with its byte-level BPE tokenizer, seed 0; built
     once per session and shared by the engine, worker and pool tests."""
-    from tokenfleet.worker.tiny_model import make_tiny_model
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), flavour="llama", seed=0)
 
@@ -80,7 +80,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 (2 layers, GQA 4/2 heads, q/k/v biases), seed 0."""
-    from tokenfleet.worker.tiny_model import make_tiny_model
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), flavour="qwen2", seed=0)
 

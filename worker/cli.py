@@ -1,49 +1,58 @@
-"""The ``tokenfleet`` command line: one entry point, one module per subcommand.
+"""The ``tokenfleet`` command line: one entry point that composes every side's subcommands.
 
-Each module in ``COMMAND_MODULES`` defines ``register(subparsers) -> None`` that adds its parser
-and sets ``func`` (a callable taking the parsed namespace and returning an exit code). Command
-modules import heavy dependencies (torch, transformers) inside ``func``, never at import time, so
-``tokenfleet submit`` works in the base install.
+Each command module defines ``register(subparsers) -> None`` that adds its parser and sets
+``func`` (a callable taking the parsed namespace and returning an exit code); ``COMMANDS`` lists
+those ``register`` functions, imported by name below, in the order ``--help`` shows them. The
+commands come from three places: the producer's (``submit``, ``queues``), the service's
+(``worker``, ``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``,
+``bench``).
+
+Invariant: importing this module imports no torch or transformers. Command modules import heavy
+dependencies inside ``func``, never at import time, so ``tokenfleet submit`` works in the base
+install (tests/test_packaging.py and tests/test_cli.py check it).
+
+Why here: this is the one module that may see every side. ``shared`` depends on nothing above it
+and ``producer`` on ``shared`` only, so neither can compose the worker's commands; the worker
+already stands on the producer (``status`` reads queues through it). ``tokenfleet.worker.cli`` is
+also the console script's entry point and what ``python -m`` runs for ``make demo`` and in every
+worker process.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from tokenfleet.producer.commands import queues, submit
 from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.worker.commands import pool, status, worker
+from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
 
 # Order is the order shown by --help.
-COMMAND_MODULES: tuple[str, ...] = (
-    "tokenfleet.worker.commands.demo",
-    "tokenfleet.worker.commands.worker",
-    "tokenfleet.producer.commands.submit",
-    "tokenfleet.producer.commands.queues",
-    "tokenfleet.worker.commands.status",
-    "tokenfleet.worker.commands.make_tiny_model",
-    "tokenfleet.worker.commands.bench",
-    "tokenfleet.worker.commands.pool",
+COMMANDS: tuple[Callable[[Any], None], ...] = (
+    demo.register,
+    worker.register,
+    submit.register,
+    queues.register,
+    status.register,
+    make_tiny_model.register,
+    bench.register,
+    pool.register,
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full parser, with every available subcommand registered."""
+    """The full parser, with every subcommand registered."""
     parser = argparse.ArgumentParser(
         prog="tokenfleet",
         description="A Redis-backed fleet of LLM inference workers. "
         "Every command takes --redis-url (default: $REDIS_URL, else redis://localhost:6379/0).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a real import error inside the module, not a missing command
-                raise
-            continue
-        module.register(sub)
+    for register in COMMANDS:
+        register(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tokenfleet.worker.tiny_model import FLAVOURS, make_tiny_model
+from tokenfleet.worker.devtools.tiny_model import FLAVOURS, make_tiny_model
 
 
 @pytest.fixture(autouse=True)
@@ -126,8 +126,8 @@ def test_greedy_output_is_deterministic_and_depends_on_the_prompt(
 def test_cli_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from tokenfleet.worker import tiny_model
-    from tokenfleet.worker.commands import make_tiny_model as command
+    from tokenfleet.worker.devtools import tiny_model
+    from tokenfleet.worker.devtools.commands import make_tiny_model as command
 
     assert command.FLAVOURS == tiny_model.FLAVOURS
     parser = argparse.ArgumentParser()

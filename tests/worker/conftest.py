@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from tokenfleet.worker.local_redis import RedisServer
+from tokenfleet.worker.devtools.local_redis import RedisServer
 
 
 @pytest.fixture(scope="session")

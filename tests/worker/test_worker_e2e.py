@@ -31,8 +31,8 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import SamplingParams, TerminalEvent
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
-from tokenfleet.worker.local_redis import RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 PREFIX = "tfe"

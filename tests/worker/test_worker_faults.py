@@ -20,7 +20,7 @@ from worker_helpers import (
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import SamplingParams
-from tokenfleet.worker.local_redis import RedisServer
+from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.service import EXIT_ENGINE_BROKEN, MAX_CONSECUTIVE_STEP_FAILURES
 
 pytestmark = pytest.mark.slow

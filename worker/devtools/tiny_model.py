@@ -4,6 +4,7 @@ No weights can be downloaded here, so the project makes its own model: a byte-le
 trained on a few KB of prose shipped with the package (``data/tiny_corpus.txt``) and a small Llama
 or Qwen2 network initialised from a seeded generator. Everything is written with
 ``save_pretrained`` so it loads through the same ``from_pretrained`` path as a real model.
+``cached_tiny_model()`` builds it once into a cache folder (the demo and the e2e benchmark).
 
 Invariants:
     * Same ``flavour`` and ``seed`` → byte-identical files (weights, tokenizer, configs).
@@ -14,6 +15,8 @@ Invariants:
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -42,9 +45,12 @@ MAX_POSITION_EMBEDDINGS = 4096
 # (no near-ties that flip between attention implementations) and depends on the prompt.
 INITIALIZER_RANGE = 0.08
 
+DEFAULT_TINY_MODEL_DIR = Path(".tiny-model") / "llama-seed0"
+
 
 def _corpus_text() -> str:
-    return resources.files("tokenfleet.worker").joinpath("data/tiny_corpus.txt").read_text("utf-8")
+    corpus = resources.files("tokenfleet.worker.devtools.data").joinpath("tiny_corpus.txt")
+    return corpus.read_text("utf-8")
 
 
 def _train_tokenizer() -> Any:
@@ -145,3 +151,23 @@ def make_tiny_model(
     )
     model.save_pretrained(out)
     return out
+
+
+def cached_tiny_model(folder: Path | None = None) -> Path:
+    """The tiny Llama (seed 0) in ``folder`` (default ``./.tiny-model/llama-seed0``), built on
+    first use into a temporary sibling and renamed, so concurrent callers never see half."""
+    folder = Path(folder or DEFAULT_TINY_MODEL_DIR)
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+    try:
+        make_tiny_model(tmp, flavour="llama", seed=0)
+        try:
+            tmp.rename(folder)
+        except OSError:  # someone else finished first
+            if not (folder / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder

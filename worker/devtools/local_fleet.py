@@ -2,7 +2,8 @@
 
 ``LocalFleet`` runs ``python -m tokenfleet.worker.cli worker`` N times with one key prefix,
 waits until each has a heartbeat in Redis, and stops them with SIGTERM (SIGKILL after a grace).
-``cached_tiny_model()`` builds the project's tiny model once into a cache folder.
+``delete_prefix()`` removes a run's private key prefix afterwards. (The tiny model's cache,
+``cached_tiny_model()``, lives with the model in ``tiny_model``.)
 
 Invariant: after ``start()`` returns, every process is alive and has a heartbeat; after
 ``stop()`` none is running.
@@ -25,30 +26,6 @@ from typing import Any
 import redis
 
 from tokenfleet.shared.keys import Keys
-
-DEFAULT_TINY_MODEL_DIR = Path(".tiny-model") / "llama-seed0"
-
-
-def cached_tiny_model(folder: Path | None = None) -> Path:
-    """The tiny Llama (seed 0) in ``folder`` (default ``./.tiny-model/llama-seed0``), built on
-    first use into a temporary sibling and renamed, so concurrent callers never see half."""
-    folder = Path(folder or DEFAULT_TINY_MODEL_DIR)
-    if (folder / "config.json").is_file():
-        return folder
-    from tokenfleet.worker.tiny_model import make_tiny_model
-
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
-    try:
-        make_tiny_model(tmp, flavour="llama", seed=0)
-        try:
-            tmp.rename(folder)
-        except OSError:  # someone else finished first
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
 
 
 def delete_prefix(redis_url: str, key_prefix: str) -> int:

@@ -1,8 +1,8 @@
 """``tokenfleet make-tiny-model DIR [--flavour llama|qwen2] [--seed N]``: build the offline model.
 
 Writes a tiny randomly initialised causal LM and its byte-level BPE tokenizer with
-``save_pretrained`` (see :mod:`tokenfleet.worker.tiny_model`); the folder then serves as
-``--model`` for the worker and the demo. Same flavour and seed give identical files.
+``save_pretrained`` (see :mod:`tokenfleet.worker.devtools.tiny_model`); the folder then serves
+as ``--model`` for the worker and the demo. Same flavour and seed give identical files.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def register(subparsers: Any) -> None:
 
 
 def func(args: argparse.Namespace) -> int:
-    from tokenfleet.worker.tiny_model import make_tiny_model
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     path = make_tiny_model(args.dir, flavour=args.flavour, seed=args.seed)
     print(f"wrote a tiny {args.flavour} model (seed {args.seed}) to {path}")

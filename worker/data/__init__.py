@@ -1,1 +1,0 @@
-"""Data files shipped with the worker (the tiny model's tokenizer corpus)."""

@@ -1,0 +1,1 @@
+"""``tokenfleet`` subcommands for demos and development: demo, make-tiny-model, bench."""
