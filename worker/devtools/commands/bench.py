@@ -14,17 +14,22 @@ import argparse
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-SCRIPTS = {
-    "e2e": "bench_worker_e2e.py",
-    "engine": "bench_engine_workload.py",
-    "producer": "bench_producer.py",
-    "decode": "bench_decode_step.py",
-    "pool": "bench_kv_pool.py",
-    "compute-share": "bench_compute_share.py",
-}
+# Benchmark name -> script in benchmarks/; ``bench all`` runs them in this order. Read-only.
+SCRIPTS: Mapping[str, str] = MappingProxyType(
+    {
+        "e2e": "bench_worker_e2e.py",
+        "engine": "bench_engine_workload.py",
+        "producer": "bench_producer.py",
+        "decode": "bench_decode_step.py",
+        "pool": "bench_kv_pool.py",
+        "compute-share": "bench_compute_share.py",
+    }
+)
 ALL = "all"
 
 
