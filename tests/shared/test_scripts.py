@@ -17,7 +17,7 @@ from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, decode_event
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE
-from tokenfleet.shared.scripts.enqueue import ENQUEUE
+from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, enqueue_keys_args
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.shared.scripts.registry import LuaScript, check_reply, load_lua
 
@@ -190,3 +190,15 @@ def test_the_terminal_transition_is_one_included_function() -> None:
         assert script.source.count("local function tf_finish(") == 1, script.name
         assert "\n-- @include" not in script.source, script.name
         assert script.source.startswith("-- KEYS[1] = "), script.name
+
+
+def test_enqueue_takes_each_record_key_from_keys(r: redis.Redis, keys: Keys) -> None:
+    items = [EnqueueItem(rid, b"{}", None) for rid in ("a", "b")]
+    k, a = enqueue_keys_args(keys, "default", Priority.NORMAL, items, now=1.0, ttl_s=60)
+    assert k[4:] == [keys.record("a"), keys.record("b")]
+    with pytest.raises(redis.ResponseError, match="one record key per request"):
+        registry.call(r, ENQUEUE, k[:5], a)
+    assert r.xlen(keys.stream("default", Priority.NORMAL)) == 0  # refused before any write
+    reply = registry.call(r, ENQUEUE, k, a)
+    assert [as_str(v) for v in reply[1::2]] == ["new", "new"]
+    assert r.hget(keys.record("b"), "status") == b"queued"
