@@ -16,70 +16,12 @@ from __future__ import annotations
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent
-from tokenfleet.shared.scripts.finish import FINISH_FUNCTION
-from tokenfleet.shared.scripts.registry import LuaScript
+from tokenfleet.shared.scripts.registry import load_lua
 
-_HEADER_KEYS = """
--- KEYS[1] = request record hash          KEYS[2] = request token list
--- KEYS[3] = request channel              KEYS[4] = queue stream of the request
--- KEYS[5] = cancel set
--- ARGV[1] = request id                   ARGV[2] = encoded terminal event
--- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
--- ARGV[5] = consumer group name          ARGV[6] = message for the record
-"""
-
-CANCEL = LuaScript(
-    name="cancel",
-    ok_codes=frozenset({"requested", "already"}),
-    source=_HEADER_KEYS
-    + """-- Returns {"ok"} (was queued: now cancelled), {"requested"} (running: its worker will stop
--- it), {"already", status} (terminal) or {"unknown", message} (no record).
-"""
-    + FINISH_FUNCTION
-    + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id')
-local status = h[1]
-if not status then
-  return {'unknown', 'no request ' .. ARGV[1] .. ' (never submitted, or its record expired)'}
-end
-if status == 'running' then
-  redis.call('SADD', KEYS[5], ARGV[1])
-  return {'requested'}
-end
-if status ~= 'queued' then
-  return {'already', status}
-end
-return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2],
-                 ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
-                 {'code', 'cancelled', 'message', ARGV[6], 'finish_reason', ''})
-""",
-)
-
-EXPIRE_OVERDUE = LuaScript(
-    name="expire_overdue",
-    ok_codes=frozenset({"live", "already"}),
-    source=_HEADER_KEYS
-    + """-- Returns {"ok"} (it was queued past its deadline: now expired), {"live", status} (queued
--- within its deadline, or running), {"already", status} or {"unknown", message}.
-"""
-    + FINISH_FUNCTION
-    + """
-local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'deadline')
-local status = h[1]
-if not status then
-  return {'unknown', 'no request ' .. ARGV[1] .. ' (never submitted, or its record expired)'}
-end
-if status ~= 'queued' and status ~= 'running' then
-  return {'already', status}
-end
-local deadline = tonumber(h[3] or '')
-if status ~= 'queued' or not deadline or deadline > tonumber(ARGV[3]) then
-  return {'live', status}
-end
-return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'expired', ARGV[2],
-                 ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
-                 {'code', 'expired', 'message', ARGV[6], 'finish_reason', ''})
-""",
+# Both take the same KEYS and ARGV (see :func:`withdraw_keys_args`).
+CANCEL = load_lua("tokenfleet.shared.scripts", "cancel.lua", ok_codes=("requested", "already"))
+EXPIRE_OVERDUE = load_lua(
+    "tokenfleet.shared.scripts", "expire_overdue.lua", ok_codes=("live", "already")
 )
 
 

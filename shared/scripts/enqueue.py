@@ -9,9 +9,12 @@ interleaving of producers:
 * an evicted request (drop-oldest) or a reclaimed one (deadline passed while waiting) goes
   through ``tf_finish``: its record turns terminal and its channel gets the terminal event.
 
-Keys of evicted or reclaimed requests are not known before the script runs, so the script builds
-them from prefix/suffix templates that :class:`~tokenfleet.shared.keys.Keys` produces (never
-from names of its own). This is not cluster-safe; tokenfleet targets one Redis (or a primary).
+Every key of the call's own requests comes through ``KEYS[]`` (one record key per request, built
+by :class:`~tokenfleet.shared.keys.Keys`). The keys of evicted or reclaimed *waiting* requests
+cannot: which requests those are is decided inside the script, from the stream. The script builds
+them from prefix/suffix templates that ``Keys`` produces (never from names of its own), in one
+function, ``victim_keys``; docs/protocol.md ("Keys in scripts") says what a Redis Cluster
+deployment needs instead. Tokenfleet targets one Redis (or a primary).
 """
 
 from __future__ import annotations
@@ -23,8 +26,7 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
-from tokenfleet.shared.scripts.finish import FINISH_FUNCTION
-from tokenfleet.shared.scripts.registry import LuaScript
+from tokenfleet.shared.scripts.registry import load_lua
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
 # evicts or refuses (bounded work per call; see README "Deadlines").
@@ -33,140 +35,8 @@ ID_PLACEHOLDER = "tfid-placeholder"
 DROPPED_MESSAGE = "evicted from its full queue by a newer request (policy drop_oldest)"
 EXPIRED_MESSAGE = "its deadline passed before any worker started it"
 
-ENQUEUE = LuaScript(
-    name="enqueue",
-    source="""
--- KEYS[1] = queue stream                 KEYS[2] = queue config hash
--- KEYS[3] = set of queue names           KEYS[4] = cancel set
--- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
--- ARGV[3] = consumer group name          ARGV[4] = queue member name (model|label)
--- ARGV[5] = model                        ARGV[6] = priority label
--- ARGV[7] = default max_waiting          ARGV[8] = default policy
--- ARGV[9], ARGV[10]  = record key prefix, suffix (key = prefix .. id .. suffix)
--- ARGV[11], ARGV[12] = token list key prefix, suffix
--- ARGV[13], ARGV[14] = channel prefix, suffix
--- ARGV[15] = encoded "dropped" terminal event with ARGV[17] in place of the id
--- ARGV[16] = encoded "expired" terminal event, same placeholder
--- ARGV[17] = the id placeholder          ARGV[18] = how many waiting entries to scan for expiry
--- ARGV[19] = dropped message             ARGV[20] = expired message
--- ARGV[21] = mode: "submit" (apply the queue's policy) or "try" (a full queue refuses,
---            whatever its policy: no eviction, no waiting)
--- ARGV[22..] = triples: request id, encoded request, deadline (epoch seconds) or ""
--- Returns {"ok", code1, value1, code2, value2, ...}, one pair per request, in order:
---   "new", stream id | "exists", status | "overloaded", message (drop_newest, try mode, or
---   drop_oldest with nothing to evict) | "full", message (block policy, submit mode) |
---   "invalid", message (bad id)
-"""
-    + FINISH_FUNCTION
-    + """
-local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
-local cfg = redis.call('HMGET', KEYS[2], 'max_waiting', 'policy')
-local max_waiting = tonumber(cfg[1] or ARGV[7]) or tonumber(ARGV[7])
-local policy = cfg[2] or ARGV[8]
-
-local function event_for(template, rid)
-  local i = string.find(template, ARGV[17], 1, true)
-  return string.sub(template, 1, i - 1) .. rid .. string.sub(template, i + #ARGV[17])
-end
-
-local function end_waiting(sid, rid, status, template, message)
-  if not rid or not string.find(rid, '^[A-Za-z0-9][A-Za-z0-9%._%-]*$') then
-    redis.call('XDEL', stream, sid)
-    return
-  end
-  tf_finish(ARGV[9] .. rid .. ARGV[10], ARGV[11] .. rid .. ARGV[12],
-            ARGV[13] .. rid .. ARGV[14], stream, KEYS[4], rid, status,
-            event_for(template, rid), now, ttl, sid, group, '',
-            {'code', status, 'message', message, 'finish_reason', ''})
-end
-
-local function field(entry, name)
-  local f = entry[2]
-  for i = 1, #f, 2 do
-    if f[i] == name then return f[i + 1] end
-  end
-  return nil
-end
-
--- pending count and last-delivered id of the group, creating stream and group if needed
-local pending, last = 0, '0-0'
-local groups = redis.pcall('XINFO', 'GROUPS', stream)
-local found = false
-if type(groups) == 'table' and not groups.err then
-  for _, g in ipairs(groups) do
-    local name, p, l
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1]
-      elseif g[i] == 'pending' then p = g[i + 1]
-      elseif g[i] == 'last-delivered-id' then l = g[i + 1] end
-    end
-    if name == group then
-      found, pending, last = true, tonumber(p), l
-    end
-  end
-end
-if not found then
-  redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
-end
-local waiting = redis.call('XLEN', stream) - pending
-local reclaimed = false
-
-local out = {'ok'}
-for j = 22, #ARGV, 3 do
-  local rid, payload, deadline = ARGV[j], ARGV[j + 1], ARGV[j + 2]
-  local rec = ARGV[9] .. rid .. ARGV[10]
-  if #rid > 128 or not string.find(rid, '^[A-Za-z0-9][A-Za-z0-9%._%-]*$') then
-    out[#out + 1] = 'invalid'
-    out[#out + 1] = 'request id must be 1-128 characters of [A-Za-z0-9._-]'
-  elseif redis.call('EXISTS', rec) == 1 then
-    out[#out + 1] = 'exists'
-    out[#out + 1] = redis.call('HGET', rec, 'status') or 'queued'
-  else
-    if waiting >= max_waiting and not reclaimed then
-      reclaimed = true
-      local head = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', tonumber(ARGV[18]))
-      for _, e in ipairs(head) do
-        local dl = field(e, 'dl')
-        if dl and dl ~= '' and tonumber(dl) <= tonumber(now) then
-          end_waiting(e[1], field(e, 'id'), 'expired', ARGV[16], ARGV[20])
-          waiting = waiting - 1
-        end
-      end
-    end
-    local admit = waiting < max_waiting
-    if not admit and policy == 'drop_oldest' and ARGV[21] == 'submit' then
-      local victim = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
-      if victim then
-        end_waiting(victim[1], field(victim, 'id'), 'dropped', ARGV[15], ARGV[19])
-        waiting = waiting - 1
-        admit = true
-      end
-    end
-    if admit then
-      local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', payload, 'dl', deadline)
-      -- The payload lives in the stream entry only (the worker reads it there; a claim or a
-      -- handback keeps the entry's fields), so the record does not store a second copy.
-      redis.call('HSET', rec, 'status', 'queued', 'stream_id', sid, 'enqueued_at', now,
-                 'model', ARGV[5], 'priority', ARGV[6], 'num_tokens', '0',
-                 'attempts', '0', 'deadline', deadline, 'worker', '')
-      redis.call('EXPIRE', rec, ttl)
-      waiting = waiting + 1
-      out[#out + 1] = 'new'
-      out[#out + 1] = sid
-    elseif policy == 'block' and ARGV[21] == 'submit' then
-      out[#out + 1] = 'full'
-      out[#out + 1] = 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)'
-    else
-      out[#out + 1] = 'overloaded'
-      out[#out + 1] = 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting, policy '
-        .. policy .. ')'
-    end
-  end
-end
-redis.call('SADD', KEYS[3], ARGV[4])
-return out
-""",
-)
+# Read once, at import; registered once per connection by the registry.
+ENQUEUE = load_lua("tokenfleet.shared.scripts", "enqueue.lua")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +64,8 @@ def enqueue_keys_args(
     ttl_s: int,
     try_only: bool = False,
 ) -> tuple[list[str], list[str | bytes]]:
-    """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests).
+    """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
+    keys, then one record key per item, in the items' order.
 
     ``try_only`` refuses when the queue is full whatever its policy (``try_submit``).
     """
@@ -225,16 +96,18 @@ def enqueue_keys_args(
         EXPIRED_MESSAGE,
         "try" if try_only else "submit",
     ]
-    for item in items:
-        args += [
-            item.request_id,
-            item.payload,
-            "" if item.deadline is None else repr(item.deadline),
-        ]
     key_list = [
         keys.stream(model, priority),
         keys.queue_config(model, priority),
         keys.queues,
         keys.cancel_set,
     ]
+    record = keys.record
+    for item in items:
+        key_list.append(record(item.request_id))
+        args += [
+            item.request_id,
+            item.payload,
+            "" if item.deadline is None else repr(item.deadline),
+        ]
     return key_list, args

@@ -46,27 +46,36 @@ class LuaScript:
 _INCLUDE = re.compile(r"^-- @include ([\w.-]+\.lua)[ \t]*$", re.MULTILINE)
 
 
+def _own_text(package: str, filename: str) -> str:
+    return resources.files(package).joinpath(filename).read_text(encoding="utf-8")
+
+
+def _expand(package: str, text: str) -> str:
+    return _INCLUDE.sub(lambda m: read_lua(package, m.group(1)).rstrip("\n"), text)
+
+
 def read_lua(package: str, filename: str) -> str:
     """The text of ``filename`` in ``package``'s folder, each ``-- @include NAME.lua`` line
     replaced by that file's text (from the same folder, recursively). Includes hold shared
     ``local function`` definitions; a script keeps its own KEYS/ARGV header first."""
-    text = resources.files(package).joinpath(filename).read_text(encoding="utf-8")
-    return _INCLUDE.sub(lambda m: read_lua(package, m.group(1)).rstrip("\n"), text)
+    return _expand(package, _own_text(package, filename))
 
 
 def load_lua(
     package: str, filename: str, *, ok_codes: Sequence[str] = (), name: str | None = None
 ) -> LuaScript:
     """A :class:`LuaScript` from a ``.lua`` file shipped in ``package``; its name is the file's
-    stem unless ``name`` is given. The file must open with its ``-- KEYS``/``-- ARGV`` header
-    (a script that takes neither says ``-- KEYS: none``): a script without one is refused here,
-    at import time, not when it first runs."""
-    source = read_lua(package, filename)
-    first = next((line for line in source.splitlines() if line.strip()), "")
+    stem unless ``name`` is given. The file must open with its own ``-- KEYS``/``-- ARGV``
+    header (a script that takes neither says ``-- KEYS: none``; an include's header does not
+    count): a script without one is refused here, at import time, not when it first runs."""
+    text = _own_text(package, filename)
+    first = next((line for line in text.splitlines() if line.strip()), "")
     if not first.startswith(("-- KEYS", "-- ARGV")):
         raise ValueError(f"{package}/{filename} must open with its -- KEYS/ARGV header comment")
     stem = filename.removesuffix(".lua")
-    return LuaScript(name=name or stem, source=source, ok_codes=frozenset({"ok", *ok_codes}))
+    return LuaScript(
+        name=name or stem, source=_expand(package, text), ok_codes=frozenset({"ok", *ok_codes})
+    )
 
 
 # client -> {script name -> redis-py Script object}; weak so closed clients are forgotten.

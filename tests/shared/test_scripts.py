@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -13,8 +16,10 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, decode_event
 from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE
+from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, enqueue_keys_args
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
-from tokenfleet.shared.scripts.registry import LuaScript, check_reply
+from tokenfleet.shared.scripts.registry import LuaScript, check_reply, load_lua
 
 ECHO = LuaScript(
     name="test-echo",
@@ -121,3 +126,79 @@ def test_finish_in_a_pipeline(r: redis.Redis, keys: Keys) -> None:
     first, second = (check_reply(FINISH, reply) for reply in pipe.execute())
     assert first == ["ok"] and second[0] == "already"
     assert r.hget(keys.record("req1"), "status") == b"expired"
+
+
+# -- load_lua: .lua files shipped in a package ---------------------------------------------------
+
+LUA_PACKAGE = "tf_lua_fixture"
+
+
+@pytest.fixture
+def lua_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An importable package folder to put .lua files in (forgotten again after the test)."""
+    folder = tmp_path / LUA_PACKAGE
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield folder
+    sys.modules.pop(LUA_PACKAGE, None)
+
+
+def test_load_lua_expands_includes_recursively(r: redis.Redis, lua_package: Path) -> None:
+    (lua_package / "twice.lua").write_text(
+        "-- KEYS: none (an include)\n-- @include one.lua\n"
+        "local function twice(x) return x * 2 + one() - 1 end\n"
+    )
+    (lua_package / "one.lua").write_text(
+        "-- KEYS: none (an include)\nlocal function one() return 1 end\n"
+    )
+    (lua_package / "double.lua").write_text(
+        "-- KEYS: none\n-- ARGV[1] = a number\n-- @include twice.lua\n"
+        "return {'ok', twice(tonumber(ARGV[1]))}\n"
+    )
+    script = load_lua(LUA_PACKAGE, "double.lua", ok_codes=("maybe",))
+    assert script.name == "double" and script.ok_codes == {"ok", "maybe"}
+    assert script.source.startswith("-- KEYS: none\n-- ARGV[1] = a number\n")
+    assert "-- @include" not in script.source
+    assert script.source.index("local function one") < script.source.index("local function twice")
+    assert registry.call(r, script, [], [21]) == ["ok", 42]
+    assert load_lua(LUA_PACKAGE, "double.lua", name="other").name == "other"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "return {'ok'}\n",
+        "\n-- a comment first\n-- KEYS[1] = a hash\nreturn {'ok'}\n",
+        "-- @include lib.lua\n-- KEYS[1] = a hash\nreturn {'ok'}\n",  # the include's header
+    ],
+)
+def test_load_lua_refuses_a_script_without_its_header(lua_package: Path, text: str) -> None:
+    (lua_package / "lib.lua").write_text("-- KEYS: none (an include)\nlocal x = 1\n")
+    (lua_package / "bad.lua").write_text(text)
+    with pytest.raises(ValueError, match="must open with its -- KEYS/ARGV header"):
+        load_lua(LUA_PACKAGE, "bad.lua")
+
+
+def test_load_lua_accepts_an_argv_only_header_after_blank_lines(lua_package: Path) -> None:
+    (lua_package / "argv.lua").write_text("\n\n-- ARGV[1] = a word\nreturn {'ok', ARGV[1]}\n")
+    assert load_lua(LUA_PACKAGE, "argv.lua").source.startswith("\n\n-- ARGV[1]")
+
+
+def test_the_terminal_transition_is_one_included_function() -> None:
+    for script in (FINISH, CANCEL, EXPIRE_OVERDUE, ENQUEUE):
+        assert script.source.count("local function tf_finish(") == 1, script.name
+        assert "\n-- @include" not in script.source, script.name
+        assert script.source.startswith("-- KEYS[1] = "), script.name
+
+
+def test_enqueue_takes_each_record_key_from_keys(r: redis.Redis, keys: Keys) -> None:
+    items = [EnqueueItem(rid, b"{}", None) for rid in ("a", "b")]
+    k, a = enqueue_keys_args(keys, "default", Priority.NORMAL, items, now=1.0, ttl_s=60)
+    assert k[4:] == [keys.record("a"), keys.record("b")]
+    with pytest.raises(redis.ResponseError, match="one record key per request"):
+        registry.call(r, ENQUEUE, k[:5], a)
+    assert r.xlen(keys.stream("default", Priority.NORMAL)) == 0  # refused before any write
+    reply = registry.call(r, ENQUEUE, k, a)
+    assert [as_str(v) for v in reply[1::2]] == ["new", "new"]
+    assert r.hget(keys.record("b"), "status") == b"queued"

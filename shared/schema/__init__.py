@@ -1,0 +1,55 @@
+"""The wire schema: requests on the streams and events on the per-request channels.
+
+Everything is JSON encoded with orjson and carries ``"v": SCHEMA_VERSION``. Decoding checks the
+size before parsing, then every field, and raises ``ProtocolError`` naming the fault; it never
+evaluates or unpickles anything. Building a request from user input raises ``InvalidRequest``
+with a message that names the field, before anything touches Redis.
+
+One concept per module, every public name re-exported here (``from tokenfleet.shared.schema
+import X`` is the way to import them):
+
+* ``wire``: ``SCHEMA_VERSION`` and the size-checked JSON reader;
+* ``fields``: checks of single values (``check_text``, integers, token ids);
+* ``status``: ``TerminalStatus`` and ``RequestStatus``;
+* ``sampling``: ``SamplingParams``;
+* ``request``: ``GenerationRequest``, the stream payload;
+* ``events``: ``TokenEvent``, ``TerminalEvent``, ``Event`` and ``decode_event``.
+"""
+
+from __future__ import annotations
+
+from tokenfleet.shared.schema.events import (
+    MAX_EVENT_BYTES,
+    Event,
+    TerminalEvent,
+    TokenEvent,
+    decode_event,
+)
+from tokenfleet.shared.schema.fields import check_text
+from tokenfleet.shared.schema.request import MAX_METADATA_BYTES, GenerationRequest
+from tokenfleet.shared.schema.sampling import (
+    MAX_SEED,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+from tokenfleet.shared.schema.status import RequestStatus, TerminalStatus
+from tokenfleet.shared.schema.wire import SCHEMA_VERSION
+
+__all__ = [
+    "MAX_EVENT_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_SEED",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_CHARS",
+    "SCHEMA_VERSION",
+    "Event",
+    "GenerationRequest",
+    "RequestStatus",
+    "SamplingParams",
+    "TerminalEvent",
+    "TerminalStatus",
+    "TokenEvent",
+    "check_text",
+    "decode_event",
+]

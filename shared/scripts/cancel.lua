@@ -1,0 +1,25 @@
+-- KEYS[1] = request record hash          KEYS[2] = request token list
+-- KEYS[3] = request channel              KEYS[4] = queue stream of the request
+-- KEYS[5] = cancel set
+-- ARGV[1] = request id                   ARGV[2] = encoded terminal event
+-- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
+-- ARGV[5] = consumer group name          ARGV[6] = message for the record
+-- Returns {"ok"} (was queued: now cancelled), {"requested"} (running: its worker will stop
+-- it), {"already", status} (terminal) or {"unknown", message} (no record).
+-- @include tf_finish.lua
+
+local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id')
+local status = h[1]
+if not status then
+  return {'unknown', 'no request ' .. ARGV[1] .. ' (never submitted, or its record expired)'}
+end
+if status == 'running' then
+  redis.call('SADD', KEYS[5], ARGV[1])
+  return {'requested'}
+end
+if status ~= 'queued' then
+  return {'already', status}
+end
+return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2],
+                 ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
+                 {'code', 'cancelled', 'message', ARGV[6], 'finish_reason', ''})

@@ -1,0 +1,25 @@
+-- KEYS[1] = request record hash          KEYS[2] = request token list
+-- KEYS[3] = request channel              KEYS[4] = queue stream of the request
+-- KEYS[5] = cancel set
+-- ARGV[1] = request id                   ARGV[2] = encoded terminal event
+-- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
+-- ARGV[5] = consumer group name          ARGV[6] = message for the record
+-- Returns {"ok"} (it was queued past its deadline: now expired), {"live", status} (queued
+-- within its deadline, or running), {"already", status} or {"unknown", message}.
+-- @include tf_finish.lua
+
+local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'deadline')
+local status = h[1]
+if not status then
+  return {'unknown', 'no request ' .. ARGV[1] .. ' (never submitted, or its record expired)'}
+end
+if status ~= 'queued' and status ~= 'running' then
+  return {'already', status}
+end
+local deadline = tonumber(h[3] or '')
+if status ~= 'queued' or not deadline or deadline > tonumber(ARGV[3]) then
+  return {'live', status}
+end
+return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'expired', ARGV[2],
+                 ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
+                 {'code', 'expired', 'message', ARGV[6], 'finish_reason', ''})

@@ -1,0 +1,18 @@
+-- KEYS[1] = request record hash          KEYS[2] = request token list
+-- KEYS[3] = request channel              KEYS[4] = queue stream of the request
+-- KEYS[5] = cancel set
+-- ARGV[1] = request id                   ARGV[2] = terminal status (done|cancelled|...)
+-- ARGV[3] = encoded terminal event       ARGV[4] = now (epoch seconds)
+-- ARGV[5] = record TTL in seconds        ARGV[6] = stream entry id, or "" if none
+-- ARGV[7] = consumer group name          ARGV[8] = finishing worker's name, or "" (no guard)
+-- ARGV[9..] = extra record fields as field, value pairs (text, finish_reason, usage, ...)
+-- Returns {"ok"} after publishing, {"already", status} if the record was already terminal, or
+-- {"lost", holder} (nothing changed) if ARGV[8] is set and the live record is not held by it.
+-- @include tf_finish.lua
+
+local fields = {}
+for i = 9, #ARGV do
+  fields[#fields + 1] = ARGV[i]
+end
+return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
+                 ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], fields)

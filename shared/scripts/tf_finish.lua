@@ -1,0 +1,35 @@
+-- KEYS: none (an include, not a script: `-- @include tf_finish.lua` pastes it into finish.lua,
+--       cancel.lua, expire_overdue.lua and enqueue.lua; tf_finish takes its keys as arguments
+--       and every caller passes names it got through its own KEYS[])
+-- ARGV: none
+-- The terminal transition, shared by every script that ends a request (finish, cancel, expire,
+-- the enqueue script's drop-oldest eviction and reclaim), so there is exactly one definition of
+-- "reach a terminal state". ``fields`` is a flat {name, value, ...} table of record fields.
+-- Returns {"ok"} after publishing, {"already", status} if the record was already terminal (the
+-- stream entry is still acked and deleted), or {"lost", holder} (nothing changed) if ``owner`` is
+-- set and the live record is held by someone else.
+local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event, now, ttl,
+                         sid, group, owner, fields)
+  local h = redis.call('HMGET', rec, 'status', 'worker')
+  local current, holder = h[1], h[2] or ''
+  local live = current == 'queued' or current == 'running'
+  if owner ~= '' and live and holder ~= owner then
+    return {'lost', holder}
+  end
+  if sid ~= '' then
+    redis.call('XACK', stream, group, sid)
+    redis.call('XDEL', stream, sid)
+  end
+  redis.call('SREM', cancel_set, rid)
+  if current and not live then
+    return {'already', current}
+  end
+  redis.call('HSET', rec, 'status', status, 'finished_at', now, 'worker', '')
+  for i = 1, #fields, 2 do
+    redis.call('HSET', rec, fields[i], fields[i + 1])
+  end
+  redis.call('PUBLISH', chan, event)
+  redis.call('EXPIRE', rec, ttl)
+  redis.call('EXPIRE', toks, ttl)
+  return {'ok'}
+end

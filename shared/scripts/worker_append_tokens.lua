@@ -1,0 +1,40 @@
+-- KEYS[3i-2] = request i's record hash   KEYS[3i-1] = request i's token list
+-- KEYS[3i]   = request i's channel       (i = 1 .. #KEYS / 3)
+-- ARGV[1] = worker name                  ARGV[2] = now (epoch seconds)
+-- ARGV[3] = record TTL in seconds
+-- ARGV[4..] = for each request i, in KEYS order: the index of its first event, the number of
+--             its events c, then its c encoded token events in index order
+-- Returns {"ok", reply_1, ..., reply_n}, one reply per request: {"ok"}; {"lost", status,
+-- holder} if the caller no longer runs it; or {"gap", length} if its list does not end at its
+-- first index. Nothing is written for a request unless its reply is "ok".
+-- One engine step's tokens, every request of the step in one call (one script run per step
+-- instead of one per request: less work for Redis and one reply for the worker to read).
+local out = {'ok'}
+local a = 4
+for i = 1, #KEYS / 3 do
+  local rec, list, ch = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  local first, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  local ev = a + 2
+  a = ev + count
+  local h = redis.call('HMGET', rec, 'status', 'worker')
+  if h[1] ~= 'running' or h[2] ~= ARGV[1] then
+    out[i + 1] = {'lost', tostring(h[1]), tostring(h[2])}
+  else
+    local n = redis.call('LLEN', list)
+    if n ~= first then
+      out[i + 1] = {'gap', tostring(n)}
+    else
+      for j = ev, a - 1 do
+        redis.call('RPUSH', list, ARGV[j])
+        redis.call('PUBLISH', ch, ARGV[j])
+      end
+      redis.call('HSET', rec, 'num_tokens', n + count)
+      if first == 0 then
+        redis.call('HSET', rec, 'first_token_at', ARGV[2])
+        redis.call('EXPIRE', list, ARGV[3])
+      end
+      out[i + 1] = {'ok'}
+    end
+  end
+end
+return out

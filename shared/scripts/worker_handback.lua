@@ -1,0 +1,24 @@
+-- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
+-- ARGV[1] = request id                   ARGV[2] = worker name
+-- ARGV[3] = stream entry id              ARGV[4] = consumer group name
+-- ARGV[5] = entry field d (payload)
+-- Returns {"ok", new_entry_id}: the request is queued again at the tail of its stream (the
+-- handback does not count as an attempt; its deadline is dropped, field "deadline" and the new
+-- entry's dl, because it has started; the new entry has h = 1: its record may hold tokens to
+-- resume from); or {"lost"} if the caller no longer runs it (a terminal record's entry is still
+-- acked and deleted).
+local h = redis.call('HMGET', KEYS[1], 'status', 'worker')
+if h[1] ~= 'running' or h[2] ~= ARGV[2] then
+  if h[1] and h[1] ~= 'running' and h[1] ~= 'queued' then
+    redis.call('XACK', KEYS[2], ARGV[4], ARGV[3])
+    redis.call('XDEL', KEYS[2], ARGV[3])
+  end
+  return {'lost'}
+end
+local new = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1], 'd', ARGV[5], 'dl', '', 'h', '1')
+redis.call('XACK', KEYS[2], ARGV[4], ARGV[3])
+redis.call('XDEL', KEYS[2], ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'stream_id', new)
+redis.call('HDEL', KEYS[1], 'deadline')
+redis.call('HINCRBY', KEYS[1], 'attempts', -1)
+return {'ok', new}

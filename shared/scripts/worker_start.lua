@@ -1,0 +1,53 @@
+-- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
+-- KEYS[3] = cancel set                   KEYS[4] = request token list
+-- ARGV[1] = request id                   ARGV[2] = worker name
+-- ARGV[3] = now (epoch seconds)          ARGV[4] = stream entry id
+-- ARGV[5] = consumer group name          ARGV[6] = poison limit (max workers per request)
+-- ARGV[7] = deadline (epoch seconds) or ""
+-- Returns one of
+--   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
+--                                 events are the token list (what earlier workers published)
+--   {"missing"}                   no record (never enqueued properly, or its TTL lapsed)
+--   {"foreign", stream_id}        the record belongs to another entry; this one is acked+deleted
+--   {"terminal", status}          already ended; the entry is acked+deleted
+--   {"cancelled"}                 cancellation was asked for: caller finishes it cancelled
+--   {"expired"}                   never started and its deadline passed: caller finishes expired
+--   {"poison", attempts}          taken by more than ARGV[6] workers: caller finishes worker_lost
+local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'started_at', 'attempts',
+                     'num_tokens')
+local status = h[1]
+if not status then
+  return {'missing'}
+end
+if h[2] and h[2] ~= ARGV[4] then
+  redis.call('XACK', KEYS[2], ARGV[5], ARGV[4])
+  redis.call('XDEL', KEYS[2], ARGV[4])
+  return {'foreign', h[2]}
+end
+if status ~= 'queued' and status ~= 'running' then
+  redis.call('XACK', KEYS[2], ARGV[5], ARGV[4])
+  redis.call('XDEL', KEYS[2], ARGV[4])
+  return {'terminal', status}
+end
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then
+  return {'cancelled'}
+end
+local started = h[3] and h[3] ~= ''
+if not started and ARGV[7] ~= '' and tonumber(ARGV[7]) <= tonumber(ARGV[3]) then
+  return {'expired'}
+end
+local attempts = tonumber(h[4] or '0') + 1
+if attempts > tonumber(ARGV[6]) then
+  return {'poison', tostring(attempts - 1)}
+end
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'attempts', attempts)
+if not started then
+  redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
+end
+local out = {'ok', tostring(attempts), h[5] or '0'}
+if tonumber(h[5] or '0') > 0 then
+  for _, ev in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
+    out[#out + 1] = ev
+  end
+end
+return out
