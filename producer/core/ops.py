@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenfleet.producer.request import Prepared
+from tokenfleet.producer.core.request import Prepared
 from tokenfleet.shared.errors import Overloaded, ScriptError, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
