@@ -8,6 +8,7 @@ propagates, as from any await).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio
@@ -16,7 +17,6 @@ from tokenfleet.producer.async_io.subscriber import AsyncSubscriber, AsyncSubscr
 from tokenfleet.producer.core.effects import (
     AwaitConfirmation,
     Command,
-    Effect,
     Plan,
     Receive,
     RunScript,
@@ -31,13 +31,26 @@ T = TypeVar("T")
 
 
 class AsyncDriver:
-    """Performs effects on one ``redis.asyncio.Redis`` and one ``AsyncSubscriber``."""
+    """Performs effects on one ``redis.asyncio.Redis`` and one ``AsyncSubscriber``.
 
-    __slots__ = ("_redis", "_subscriber")
+    Invariant: ``_perform`` has one entry per effect type of ``core.effects``.
+    """
+
+    __slots__ = ("_perform", "_redis", "_subscriber")
 
     def __init__(self, redis_client: redis.asyncio.Redis, subscriber: AsyncSubscriber) -> None:
         self._redis = redis_client
         self._subscriber = subscriber
+        self._perform: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            RunScript: self._run_script,
+            Command: self._command,
+            Receive: self._receive,
+            Subscribe: self._subscribe,
+            Transaction: self._transaction,
+            RunScripts: self._run_scripts,
+            AwaitConfirmation: self._await_confirmation,
+            Sleep: self._sleep,
+        }
 
     async def run(self, plan: Plan[T]) -> T:
         """Drive ``plan`` to its end and return its value (or raise what it raises)."""
@@ -46,7 +59,7 @@ class AsyncDriver:
             effect = next(plan)
             while True:
                 try:
-                    reply = await perform(effect)
+                    reply = await perform[type(effect)](effect)
                 except Exception as exc:  # the plan decides: it may catch it at its yield
                     effect = plan.throw(exc)
                 else:
@@ -54,34 +67,39 @@ class AsyncDriver:
         except StopIteration as stop:
             return cast(T, stop.value)
 
-    async def _perform(self, effect: Effect) -> Any:
+    async def _run_script(self, effect: RunScript) -> list[Any]:
+        return await registry.acall(self._redis, effect.script, effect.keys, effect.args)
+
+    async def _command(self, effect: Command) -> Any:
+        return await effect.command(self._redis, *effect.args)
+
+    async def _receive(self, effect: Receive) -> object | None:
+        return await cast(AsyncSubscription, effect.mailbox).get(effect.timeout)
+
+    async def _subscribe(self, effect: Subscribe) -> AsyncSubscription:
+        return await self._subscriber.subscribe(
+            effect.channel, effect.timeout, confirm=effect.confirm
+        )
+
+    async def _transaction(self, effect: Transaction) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=True)
+        for c in effect.commands:
+            c.command(pipe, *c.args)  # queued: an asyncio pipeline buffers commands
+        return await pipe.execute()
+
+    async def _run_scripts(self, effect: RunScripts) -> list[Any]:
         r = self._redis
-        match effect:
-            case RunScript(script, keys, args):
-                return await registry.acall(r, script, keys, args)
-            case Command(command, args):
-                return await command(r, *args)
-            case Receive(mailbox, timeout):
-                return await cast(AsyncSubscription, mailbox).get(timeout)
-            case Subscribe(channel, timeout, confirm):
-                return await self._subscriber.subscribe(channel, timeout, confirm=confirm)
-            case Transaction(commands):
-                pipe = r.pipeline(transaction=True)
-                for c in commands:
-                    c.command(pipe, *c.args)  # queued: an asyncio pipeline buffers commands
-                return await pipe.execute()
-            case RunScripts(calls):
-                pipe = r.pipeline(transaction=False)
-                for call in calls:
-                    await registry.aqueue(r, pipe, call.script, call.keys, call.args)
-                return await pipe.execute()
-            case AwaitConfirmation(mailbox, timeout, strict):
-                sub = cast(AsyncSubscription, mailbox)
-                if strict:
-                    await sub.wait_confirmed(timeout)
-                    return True
-                return await sub.confirmed_within(timeout)
-            case Sleep(seconds):
-                await asyncio.sleep(seconds)
-                return None
-        raise TypeError(f"not an effect: {effect!r}")
+        pipe = r.pipeline(transaction=False)
+        for call in effect.calls:
+            await registry.aqueue(r, pipe, call.script, call.keys, call.args)
+        return await pipe.execute()
+
+    async def _await_confirmation(self, effect: AwaitConfirmation) -> bool:
+        sub = cast(AsyncSubscription, effect.mailbox)
+        if effect.strict:
+            await sub.wait_confirmed(effect.timeout)
+            return True
+        return await sub.confirmed_within(effect.timeout)
+
+    async def _sleep(self, effect: Sleep) -> None:
+        await asyncio.sleep(effect.seconds)

@@ -109,7 +109,7 @@ class ClientCore(ABC, Generic[H]):
         until = None if timeout is None else time.monotonic() + timeout
         delay, growth, ceiling = ops.BLOCK_POLL
         while True:
-            code, value = ops.enqueue_pairs((yield self._enqueue(prepared, try_only)))[0]
+            code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only)))
             if code in ("new", "exists"):
                 # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
                 # handle's first read waits for the confirmation and then reads the record and

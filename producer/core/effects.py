@@ -41,7 +41,7 @@ class Mailbox(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunScript:
     """Run one Lua script. Reply: its values, checked by ``registry.check_reply`` (a refusal
     code arrives in the plan as the mapped exception)."""
@@ -51,7 +51,7 @@ class RunScript:
     args: Sequence[KeyOrArg]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunScripts:
     """Run several scripts in one pipeline without MULTI (one round trip). Reply: the raw
     replies in order, unchecked (each may carry its own refusal code)."""
@@ -59,7 +59,7 @@ class RunScripts:
     calls: list[RunScript]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Command:
     """One plain command. ``command`` is a redis-py command function (``HashCommands.hgetall``
     and the like: the sync and asyncio clients share these functions), applied to the client
@@ -69,21 +69,21 @@ class Command:
     args: tuple[Any, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Transaction:
     """Plain commands in one MULTI/EXEC pipeline. Reply: their replies, in order."""
 
     commands: tuple[Command, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sleep:
     """Wait ``seconds`` (the ``block`` policy's polling). Reply: None."""
 
     seconds: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Subscribe:
     """Listen to ``channel`` on the client's shared pub/sub connection. Reply: the ``Mailbox``,
     once Redis confirmed it if ``confirm``, else at once (SUBSCRIBE sent). Raises
@@ -94,7 +94,7 @@ class Subscribe:
     confirm: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Receive:
     """The next item in ``mailbox`` within ``timeout`` seconds. Reply: the message bytes,
     ``RESYNC`` (reconnected: re-read the record), or None (nothing came)."""
@@ -103,7 +103,7 @@ class Receive:
     timeout: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AwaitConfirmation:
     """Wait up to ``timeout`` seconds for Redis to confirm ``mailbox``'s SUBSCRIBE. Reply: True
     once confirmed; False when the time passes first, unless ``strict``: then the mailbox is

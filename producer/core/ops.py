@@ -32,6 +32,14 @@ def enqueue_pairs(reply: Sequence[Any]) -> list[tuple[str, str]]:
     return list(zip(items[0::2], items[1::2], strict=True))
 
 
+def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
+    """The (code, value) of a checked ENQUEUE reply for one request (``submit``): the same as
+    ``enqueue_pairs(reply)[0]``, without building the list on the submit path."""
+    if len(reply) != 3:
+        return enqueue_pairs(reply)[0]  # not one pair: fails (or not) as enqueue_pairs does
+    return as_str(reply[1]) or "", as_str(reply[2]) or ""
+
+
 def refusal(code: str, message: str) -> TokenfleetError:
     """The exception for a per-request refusal code of the enqueue script."""
     if code == "full":

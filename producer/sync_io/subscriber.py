@@ -5,7 +5,7 @@ pub/sub), not a thousand. Only the reader thread reads the socket and only it (r
 other threads send SUBSCRIBE / UNSUBSCRIBE under the lock. After any connection error the reader
 opens a fresh connection, re-subscribes every channel and, once Redis confirms, puts ``RESYNC``
 in every mailbox: messages published while disconnected are lost, so readers re-read the
-durable record and token list (see ``cursor.py``).
+durable record and token list (see ``core/cursor.py``).
 """
 
 from __future__ import annotations
