@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 import redis
@@ -14,7 +14,7 @@ from redis.commands.core import HashCommands
 from tokenfleet.producer import Client, Handle, Overloaded, UnknownRequest
 from tokenfleet.producer.async_io.driver import AsyncDriver
 from tokenfleet.producer.core import ops
-from tokenfleet.producer.core.effects import Command, Plan, RunScript, Sleep, Subscribe
+from tokenfleet.producer.core.effects import Command, Effect, Plan, RunScript, Sleep, Subscribe
 from tokenfleet.producer.core.subscriptions import (
     RECONNECT_BACKOFF_CEILING_S,
     RECONNECT_BACKOFF_FIRST_S,
@@ -99,6 +99,14 @@ def test_drivers_throw_an_effects_exception_into_the_plan() -> None:
     assert sync.run(_catching(_boom)) == "caught boom"
     aio = AsyncDriver(None, None)  # type: ignore[arg-type]
     assert asyncio.run(aio.run(_catching(_aboom))) == "caught boom"
+
+
+def test_both_drivers_perform_every_effect_type() -> None:
+    effect_types = set(get_args(Effect))
+    assert len(effect_types) == 8
+    sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
+    assert set(sync._perform) == effect_types
+    assert set(AsyncDriver(None, None)._perform) == effect_types  # type: ignore[arg-type]
 
 
 def test_an_uncaught_exception_leaves_the_driver() -> None:
