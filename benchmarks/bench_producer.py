@@ -22,7 +22,7 @@ import time
 import redis
 
 from tokenfleet.producer import Client
-from tokenfleet.producer.request import prepare
+from tokenfleet.producer.core.request import prepare
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 

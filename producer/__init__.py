@@ -7,8 +7,8 @@ tokens and results; see the README, "Submitting work".
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.client import Client
+from tokenfleet.producer.core.result import Result
 from tokenfleet.producer.handle import Handle
-from tokenfleet.producer.result import Result
 from tokenfleet.shared.errors import (
     InvalidRequest,
     Overloaded,

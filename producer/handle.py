@@ -1,65 +1,25 @@
 """``Handle``: one submitted request, seen from the sync client.
 
-Reading events: subscribe (at submit time, or lazily on first use), then sync from the durable
-record and token list whenever the cursor asks for it (start, gap, reconnect, a quiet channel),
-else follow the channel. A quiet channel is re-checked every ``recheck_s`` seconds, and at the
-request's deadline, when a still-queued request is finished ``expired`` right there.
+A thin face over ``core.handle_core.HandleCore`` (how events are read, once for both faces):
+each method runs one of its plans with the client's blocking driver.
 """
 
 from __future__ import annotations
 
-import time
-import weakref
-from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import redis
-
-from tokenfleet.producer.cursor import EventCursor
-from tokenfleet.producer.result import Result, build_result
-from tokenfleet.producer.subscriber import Subscription
-from tokenfleet.shared.errors import ProtocolError, UnknownRequest
+from tokenfleet.producer.core.handle_core import HandleCore
+from tokenfleet.producer.core.result import Result
 from tokenfleet.shared.record import RequestRecord
-from tokenfleet.shared.schema import (
-    Event,
-    RequestStatus,
-    TerminalEvent,
-    TokenEvent,
-    decode_event,
-)
+from tokenfleet.shared.schema import Event
 
 if TYPE_CHECKING:
     from tokenfleet.producer.client import Client
+    from tokenfleet.producer.sync_io.subscriber import Subscription
 
 
-def wait_for(recheck_s: float, until: float | None, deadline: float | None) -> float | None:
-    """How long to wait for the next message: until the next re-check, the caller's timeout
-    (monotonic ``until``) or the request's deadline (epoch seconds), whichever is first.
-    Returns None when ``until`` has passed."""
-    wait = recheck_s
-    if until is not None:
-        remaining = until - time.monotonic()
-        if remaining <= 0:
-            return None
-        wait = min(wait, remaining)
-    if deadline is not None:
-        wait = min(wait, max(deadline - time.time(), 0.0) + 0.005)
-    return wait
-
-
-def decode_tokens(request_id: str, raw: list[Any], start: int) -> list[TokenEvent]:
-    """Stored token events from index ``start``; ``ProtocolError`` if one is out of place."""
-    out = []
-    for offset, data in enumerate(raw):
-        event = decode_event(data)
-        if not isinstance(event, TokenEvent) or event.index != start + offset:
-            raise ProtocolError(f"token list of {request_id} is corrupt at {start + offset}")
-        out.append(event)
-    return out
-
-
-class Handle:
+class Handle(HandleCore):
     """A submitted request: stream its events, wait for its result, cancel it.
 
     Invariants: ``stream()`` yields token events with consecutive indices from ``from_index``
@@ -69,40 +29,17 @@ class Handle:
     handle is garbage-collected.
     """
 
-    def __init__(
-        self,
-        client: Client,
-        request_id: str,
-        *,
-        subscription: Subscription | None = None,
-        deadline: float | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self._client = client
-        self._sub: Subscription | None = None
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._cursor = EventCursor(request_id, 0)  # syncs once subscribed
-        self._base = 0  # index of self._tokens[0]
-        self._tokens: list[TokenEvent] = []
-        self._terminal: TerminalEvent | None = None
-        self._ready: deque[Event] = deque()
-        self._deadline = deadline
-        if subscription is not None:
-            self._attach(subscription)
+    _client: Client
+    _sub: Subscription | None
 
-    def __repr__(self) -> str:
-        return f"Handle({self.request_id!r})"
-
-    # -- public API -----------------------------------------------------------------------------
     def stream(self, from_index: int = 0, *, timeout: float | None = None) -> Iterator[Event]:
         """Token events from ``from_index`` on, then the terminal event.
 
         ``timeout`` bounds the wait for each next event (builtin ``TimeoutError``). A caller
         that reconnects passes the index it has reached.
         """
-        if isinstance(from_index, bool) or not isinstance(from_index, int) or from_index < 0:
-            raise ValueError(f"from_index must be an integer >= 0, got {from_index!r}")
-        self._start_at(from_index)
+        run = self._client._run
+        run(self._start_at(from_index))
         i = from_index
         while True:
             while i - self._base < len(self._tokens):
@@ -111,22 +48,14 @@ class Handle:
             if self._terminal is not None:
                 yield self._terminal
                 return
-            until = None if timeout is None else time.monotonic() + timeout
-            if not self._pull(until):
-                raise TimeoutError(f"no event for request {self.request_id} within {timeout}s")
+            run(self._next_event(timeout))
 
     def result(self, timeout: float | None = None) -> Result:
         """Wait for the end; the result if ``done``, else ``RequestFailed`` with its code.
 
         ``timeout`` bounds the whole wait (builtin ``TimeoutError``).
         """
-        until = None if timeout is None else time.monotonic() + timeout
-        while self._terminal is None:
-            if not self._pull(until):
-                raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
-        if self._base > 0:
-            self._backfill(0)
-        return build_result(self._tokens, self._terminal)
+        return self._client._run(self._result(timeout))
 
     def cancel(self) -> bool:
         """Ask for cancellation (see ``Client.cancel``)."""
@@ -136,108 +65,8 @@ class Handle:
         """The durable record (see ``Client.status``)."""
         return self._client.status(self.request_id)
 
-    def close(self) -> None:
-        """Release the subscription (idempotent)."""
-        if self._finalizer is not None:
-            self._finalizer()
-
     def __enter__(self) -> Handle:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- internals ------------------------------------------------------------------------------
-    def _attach(self, sub: Subscription) -> None:
-        self._sub = sub
-        self._finalizer = weakref.finalize(self, sub.close)
-
-    def _detach(self) -> None:
-        """Release the subscription and forget it: the next read subscribes again."""
-        self.close()
-        self._sub, self._finalizer = None, None
-
-    def _start_at(self, from_index: int) -> None:
-        untouched = (
-            not self._tokens and self._terminal is None and not self._ready and self._base == 0
-        )
-        if untouched and self._cursor.next_index == 0 and from_index > 0:
-            self._base = self._cursor.next_index = from_index
-            self._cursor.needs_sync = True
-        elif from_index < self._base:
-            self._backfill(from_index)
-
-    def _backfill(self, from_index: int) -> None:
-        keys = self._client._keys
-        raw = self._client._redis.lrange(keys.tokens(self.request_id), from_index, self._base - 1)
-        if len(raw) != self._base - from_index:
-            raise UnknownRequest(f"the token list of {self.request_id} has expired")
-        self._tokens[:0] = decode_tokens(self.request_id, raw, from_index)
-        self._base = from_index
-
-    def _record(self, event: Event) -> None:
-        if isinstance(event, TokenEvent):
-            self._tokens.append(event)
-        else:
-            self._terminal = event
-            self.close()
-
-    def _pull(self, until: float | None) -> bool:
-        """Receive one more event into the cache; False if ``until`` passed first."""
-        if self._sub is None:
-            client = self._client
-            channel = client._keys.channel(self.request_id)
-            self._attach(client._subscriber.subscribe(channel, client.subscribe_timeout_s))
-            self._cursor.needs_sync = True
-        sub = self._sub
-        # subscribed at submit, not confirmed yet
-        if sub is not None and not sub.confirmation.is_set() and not self._confirmed(sub, until):
-            return False
-        while sub is not None:
-            if self._ready:
-                self._record(self._ready.popleft())
-                return True
-            if self._cursor.needs_sync:
-                self._ready.extend(self._sync())
-                continue
-            wait = wait_for(self._client.recheck_s, until, self._deadline)
-            if wait is None:
-                return False
-            item = sub.get(wait)
-            if not isinstance(item, bytes):  # None (quiet) or RESYNC (reconnected)
-                self._cursor.needs_sync = True  # re-read the record and the token list
-            else:
-                self._ready.extend(self._cursor.on_message(item))
-        return False
-
-    def _confirmed(self, sub: Subscription, until: float | None) -> bool:
-        """Wait for Redis to confirm ``sub``: False if the caller's ``until`` comes first.
-        Raises ``redis.ConnectionError`` after ``subscribe_timeout_s``; the next read then
-        subscribes afresh."""
-        limit = self._client.subscribe_timeout_s
-        if until is not None and until - time.monotonic() < limit:
-            return sub.confirmation.wait(max(0.0, until - time.monotonic()))
-        try:
-            sub.wait_confirmed(limit)
-        except redis.ConnectionError:
-            self._detach()
-            raise
-        return True
-
-    def _sync(self) -> list[Event]:
-        client, keys, rid = self._client, self._client._keys, self.request_id
-        while True:
-            start = self._cursor.next_index
-            pipe = client._redis.pipeline(transaction=True)
-            pipe.hgetall(keys.record(rid))
-            pipe.lrange(keys.tokens(rid), start, -1)
-            raw, tokens = pipe.execute()
-            record = RequestRecord.from_hash(rid, raw)
-            if record is not None and record.status is RequestStatus.QUEUED:
-                self._deadline = record.deadline
-                if record.deadline is not None and record.deadline <= time.time():
-                    client._expire_overdue(record)
-                    continue
-            else:
-                self._deadline = None
-            return self._cursor.on_sync(raw, tokens, start)

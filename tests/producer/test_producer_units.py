@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.producer.cursor import EventCursor
-from tokenfleet.producer.subscriptions import RESYNC, SubscriptionTable
+from tokenfleet.producer.core.cursor import EventCursor
+from tokenfleet.producer.core.subscriptions import RESYNC, SubscriptionTable
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 
@@ -65,7 +65,7 @@ def test_table_matches_confirmations_in_order_and_resyncs_after_reconnect() -> N
 
 
 def test_bulk_fast_path_encodes_exactly_like_submit() -> None:
-    from tokenfleet.producer.request import prepare, prepare_many
+    from tokenfleet.producer.core.request import prepare, prepare_many
     from tokenfleet.shared.settings import Settings
 
     settings = Settings()

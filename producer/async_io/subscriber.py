@@ -1,4 +1,4 @@
-"""The asyncio twin of ``subscriber.py``: one pub/sub connection and one reader task per
+"""The asyncio twin of ``sync_io/subscriber.py``: one pub/sub connection and one reader task per
 ``AsyncClient``, shared by all its handles. Runs on one event loop, so the table needs no lock;
 only the reader task reads from or (re)connects the connection.
 """
@@ -14,47 +14,41 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-import redis.asyncio
 
-from tokenfleet.producer.subscriptions import SubscriptionTable
+from tokenfleet.producer.core.subscriptions import (
+    CLOSED_MESSAGE,
+    Backoff,
+    MailboxBase,
+    SubscriptionTable,
+    not_confirmed,
+)
 
 log = logging.getLogger(__name__)
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
-def async_pubsub_connection_factory(client: redis.asyncio.Redis) -> Callable[[], Any]:
-    """Build connections like ``client``'s pool does, but RESP2, undecoded, no read timeout."""
-    pool = client.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    kwargs.update(decode_responses=False, protocol=2, socket_timeout=None)
-    connection_class = pool.connection_class
-
-    def make() -> Any:
-        return connection_class(**kwargs)
-
-    return make
-
-
-class AsyncSubscription:
-    """One mailbox on one channel; ``get()`` returns raw bytes, ``RESYNC`` or None on timeout."""
+class AsyncSubscription(MailboxBase):
+    """One mailbox on one channel; ``get()`` returns raw bytes, ``RESYNC`` or None on timeout.
+    ``close()`` is callable from sync code (a finalizer)."""
 
     def __init__(self, subscriber: AsyncSubscriber, channel: str, box_id: int) -> None:
-        self.channel = channel
-        self._subscriber = subscriber
-        self._box_id = box_id
+        super().__init__(subscriber, channel, box_id)
         self.queue: asyncio.Queue[object] = asyncio.Queue()
-        self.closed = False
         self.confirmation = asyncio.Event()  # set by the reader task
 
-    async def wait_confirmed(self, timeout: float) -> None:
-        """See ``Subscription.wait_confirmed``."""
+    async def confirmed_within(self, timeout: float) -> bool:
+        """Whether Redis confirms the subscription within ``timeout`` seconds."""
         try:
             await asyncio.wait_for(self.confirmation.wait(), timeout)
         except TimeoutError:
+            return False
+        return True
+
+    async def wait_confirmed(self, timeout: float) -> None:
+        """See ``Subscription.wait_confirmed``."""
+        if not await self.confirmed_within(timeout):
             self.close()
-            raise redis.ConnectionError(
-                f"could not subscribe to {self.channel} within {timeout:g}s (is Redis reachable?)"
-            ) from None
+            raise not_confirmed(self.channel, timeout)
 
     async def get(self, timeout: float | None) -> object | None:
         """Next item, waiting up to ``timeout`` seconds (None: forever)."""
@@ -62,12 +56,6 @@ class AsyncSubscription:
             return await asyncio.wait_for(self.queue.get(), timeout)
         except TimeoutError:
             return None
-
-    def close(self) -> None:
-        """Stop listening; idempotent, callable from sync code (a finalizer)."""
-        if not self.closed:
-            self.closed = True
-            self._subscriber.unsubscribe(self.channel, self._box_id)
 
 
 class AsyncSubscriber:
@@ -93,7 +81,7 @@ class AsyncSubscriber:
     ) -> AsyncSubscription:
         """See ``Subscriber.subscribe``."""
         if self._closed:
-            raise redis.ConnectionError("the client is closed")
+            raise redis.ConnectionError(CLOSED_MESSAGE)
         sub = AsyncSubscription(self, channel, next(self._ids))
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -164,15 +152,14 @@ class AsyncSubscriber:
         return True
 
     async def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._closed:
             conn = self._conn
             if conn is None or self._broken:
                 if await self._reconnect():
-                    backoff = 0.05
+                    backoff.reset()
                 else:
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    await asyncio.sleep(backoff.next())
                 continue
             try:
                 reply = await conn.read_response(timeout=math.inf, disconnect_on_error=False)

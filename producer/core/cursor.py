@@ -6,7 +6,7 @@ so the list read after subscribing plus the messages after it cover everything; 
 dropped by index. A gap (a message beyond the next index, or a terminal event announcing more
 tokens than seen) asks for another sync instead of guessing.
 
-Pure logic, no I/O: the sync and asyncio handles both drive one ``EventCursor``.
+Pure logic, no I/O: ``HandleCore`` (both handle faces) drives one ``EventCursor`` per handle.
 """
 
 from __future__ import annotations

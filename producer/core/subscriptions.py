@@ -1,6 +1,8 @@
 """Bookkeeping of a shared pub/sub connection: who listens to which channel, and which
-SUBSCRIBE commands the server has not confirmed yet. Pure state, no I/O, no locking (the sync
-subscriber guards it with its lock; the asyncio one runs on one loop).
+SUBSCRIBE commands the server has not confirmed yet; plus what the thread subscriber
+(``sync_io``) and the task subscriber (``async_io``) decide alike: how their connections are
+built, how a mailbox closes, how reconnects back off. Pure state, no I/O, no locking (the sync
+subscriber guards the table with its lock; the asyncio one runs on one loop).
 
 Redis answers the commands of one connection in order, so confirmations of one channel match
 the SUBSCRIBEs sent for it first-in first-out: each SUBSCRIBE sent appends a ``PendingGroup``
@@ -12,9 +14,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import redis
 
 RESYNC = "resync"  # put in a mailbox after a reconnect: re-read the record, events may be lost
+CLOSED_MESSAGE = "the client is closed"  # redis.ConnectionError's text once a client is closed
+# After a failed connect the reader waits FIRST s, doubling up to CEILING s (reset on success).
+RECONNECT_BACKOFF_FIRST_S = 0.05
+RECONNECT_BACKOFF_CEILING_S = 2.0
 
 
 class Waiter(Protocol):
@@ -124,3 +132,66 @@ class SubscriptionTable:
 
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def pubsub_connection_factory(client: Any, **overrides: Any) -> Callable[[], Any]:
+    """Build connections like ``client``'s pool does (sync or asyncio), but always RESP2 and
+    undecoded bytes, with ``overrides`` on top."""
+    pool = client.connection_pool
+    kwargs = dict(pool.connection_kwargs)
+    kwargs.update(decode_responses=False, protocol=2, **overrides)
+    connection_class = pool.connection_class
+
+    def make() -> Any:
+        return connection_class(**kwargs)
+
+    return make
+
+
+def not_confirmed(channel: str, timeout: float) -> redis.ConnectionError:
+    """The error of a SUBSCRIBE that Redis did not confirm within ``timeout`` seconds."""
+    return redis.ConnectionError(
+        f"could not subscribe to {channel} within {timeout:g}s (is Redis reachable?)"
+    )
+
+
+class Unsubscriber(Protocol):
+    """A subscriber, as its mailboxes see it."""
+
+    def unsubscribe(self, channel: str, box_id: int) -> None: ...
+
+
+class MailboxBase:
+    """One mailbox on one channel of a shared subscriber. ``close()`` is idempotent and safe
+    from finalizers; the channel is unsubscribed when its last mailbox closes."""
+
+    def __init__(self, subscriber: Unsubscriber, channel: str, box_id: int) -> None:
+        self.channel = channel
+        self._subscriber = subscriber
+        self._box_id = box_id
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop listening (the channel is unsubscribed when its last mailbox closes)."""
+        if not self.closed:
+            self.closed = True
+            self._subscriber.unsubscribe(self.channel, self._box_id)
+
+
+class Backoff:
+    """Delays between failed connection attempts: first, then doubling up to a ceiling."""
+
+    __slots__ = ("delay",)
+
+    def __init__(self) -> None:
+        self.delay = RECONNECT_BACKOFF_FIRST_S
+
+    def reset(self) -> None:
+        """A connection succeeded: the next failure waits the first delay again."""
+        self.delay = RECONNECT_BACKOFF_FIRST_S
+
+    def next(self) -> float:
+        """The delay to wait now; the following one doubles (up to the ceiling)."""
+        delay = self.delay
+        self.delay = min(delay * 2, RECONNECT_BACKOFF_CEILING_S)
+        return delay

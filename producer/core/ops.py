@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from tokenfleet.producer.request import Prepared
+from tokenfleet.producer.core.request import Prepared
 from tokenfleet.shared.errors import Overloaded, ScriptError, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -30,6 +30,14 @@ def enqueue_pairs(reply: Sequence[Any]) -> list[tuple[str, str]]:
     """The (code, value) pairs of a checked ENQUEUE reply (``reply[0]`` is "ok")."""
     items = [as_str(v) or "" for v in reply[1:]]
     return list(zip(items[0::2], items[1::2], strict=True))
+
+
+def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
+    """The (code, value) of a checked ENQUEUE reply for one request (``submit``): the same as
+    ``enqueue_pairs(reply)[0]``, without building the list on the submit path."""
+    if len(reply) != 3:
+        return enqueue_pairs(reply)[0]  # not one pair: fails (or not) as enqueue_pairs does
+    return as_str(reply[1]) or "", as_str(reply[2]) or ""
 
 
 def refusal(code: str, message: str) -> TokenfleetError:

@@ -5,7 +5,7 @@ pub/sub), not a thousand. Only the reader thread reads the socket and only it (r
 other threads send SUBSCRIBE / UNSUBSCRIBE under the lock. After any connection error the reader
 opens a fresh connection, re-subscribes every channel and, once Redis confirms, puts ``RESYNC``
 in every mailbox: messages published while disconnected are lost, so readers re-read the
-durable record and token list (see ``cursor.py``).
+durable record and token list (see ``core/cursor.py``).
 """
 
 from __future__ import annotations
@@ -19,46 +19,38 @@ from typing import Any
 
 import redis
 
-from tokenfleet.producer.subscriptions import SubscriptionTable
+from tokenfleet.producer.core.subscriptions import (
+    CLOSED_MESSAGE,
+    Backoff,
+    MailboxBase,
+    SubscriptionTable,
+    not_confirmed,
+)
 
 log = logging.getLogger(__name__)
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
-def pubsub_connection_factory(client: redis.Redis) -> Callable[[], Any]:
-    """Build connections like ``client``'s pool does, but always RESP2 and undecoded bytes."""
-    pool = client.connection_pool
-    kwargs = dict(pool.connection_kwargs)
-    kwargs.update(decode_responses=False, protocol=2)
-    connection_class = pool.connection_class
-
-    def make() -> Any:
-        return connection_class(**kwargs)
-
-    return make
-
-
-class Subscription:
+class Subscription(MailboxBase):
     """One mailbox on one channel. ``get()`` returns raw message bytes, ``RESYNC``, or None on
     timeout. ``close()`` is idempotent and safe from finalizers. Messages arrive only once
     Redis has confirmed the SUBSCRIBE (``wait_confirmed``)."""
 
     def __init__(self, subscriber: Subscriber, channel: str, box_id: int) -> None:
-        self.channel = channel
-        self._subscriber = subscriber
-        self._box_id = box_id
+        super().__init__(subscriber, channel, box_id)
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.closed = False
         self.confirmation = threading.Event()  # set by the reader thread
+
+    def confirmed_within(self, timeout: float) -> bool:
+        """Whether Redis confirms the subscription within ``timeout`` seconds."""
+        return self.confirmation.wait(timeout)
 
     def wait_confirmed(self, timeout: float) -> None:
         """Return once Redis has confirmed the subscription; closes the subscription and
         raises ``redis.ConnectionError`` if that takes more than ``timeout`` seconds."""
         if not self.confirmation.wait(timeout):
             self.close()
-            raise redis.ConnectionError(
-                f"could not subscribe to {self.channel} within {timeout:g}s (is Redis reachable?)"
-            )
+            raise not_confirmed(self.channel, timeout)
 
     def get(self, timeout: float | None) -> object | None:
         """Next item, waiting up to ``timeout`` seconds (None: forever)."""
@@ -66,12 +58,6 @@ class Subscription:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
-
-    def close(self) -> None:
-        """Stop listening (the channel is unsubscribed when its last mailbox closes)."""
-        if not self.closed:
-            self.closed = True
-            self._subscriber.unsubscribe(self.channel, self._box_id)
 
 
 class Subscriber:
@@ -106,7 +92,7 @@ class Subscriber:
             seconds.
         """
         if self._closed.is_set():
-            raise redis.ConnectionError("the client is closed")
+            raise redis.ConnectionError(CLOSED_MESSAGE)
         sub = Subscription(self, channel, next(self._ids))
         with self._lock:
             if self._thread is None:
@@ -178,15 +164,14 @@ class Subscriber:
         return True
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff()
         while not self._closed.is_set():
             conn = self._conn
             if conn is None or self._broken:
                 if self._reconnect():
-                    backoff = 0.05
+                    backoff.reset()
                 else:
-                    self._closed.wait(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    self._closed.wait(backoff.next())
                 continue
             try:
                 if not conn.can_read(timeout=self._poll_s):

@@ -1,0 +1,105 @@
+"""``AsyncDriver``: runs a ``core`` plan with awaits (see ``core/effects.py``).
+
+The asyncio twin of ``sync_io/driver.py``, effect for effect: no decision of its own; replies
+are sent back into the plan, exceptions thrown in at its ``yield`` (cancellation is not: it
+propagates, as from any await).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import redis.asyncio
+
+from tokenfleet.producer.async_io.subscriber import AsyncSubscriber, AsyncSubscription
+from tokenfleet.producer.core.effects import (
+    AwaitConfirmation,
+    Command,
+    Plan,
+    Receive,
+    RunScript,
+    RunScripts,
+    Sleep,
+    Subscribe,
+    Transaction,
+)
+from tokenfleet.shared.scripts import registry
+
+T = TypeVar("T")
+
+
+class AsyncDriver:
+    """Performs effects on one ``redis.asyncio.Redis`` and one ``AsyncSubscriber``.
+
+    Invariant: ``_perform`` has one entry per effect type of ``core.effects``.
+    """
+
+    __slots__ = ("_perform", "_redis", "_subscriber")
+
+    def __init__(self, redis_client: redis.asyncio.Redis, subscriber: AsyncSubscriber) -> None:
+        self._redis = redis_client
+        self._subscriber = subscriber
+        self._perform: dict[type, Callable[[Any], Awaitable[Any]]] = {
+            RunScript: self._run_script,
+            Command: self._command,
+            Receive: self._receive,
+            Subscribe: self._subscribe,
+            Transaction: self._transaction,
+            RunScripts: self._run_scripts,
+            AwaitConfirmation: self._await_confirmation,
+            Sleep: self._sleep,
+        }
+
+    async def run(self, plan: Plan[T]) -> T:
+        """Drive ``plan`` to its end and return its value (or raise what it raises)."""
+        perform = self._perform
+        try:
+            effect = next(plan)
+            while True:
+                try:
+                    reply = await perform[type(effect)](effect)
+                except Exception as exc:  # the plan decides: it may catch it at its yield
+                    effect = plan.throw(exc)
+                else:
+                    effect = plan.send(reply)
+        except StopIteration as stop:
+            return cast(T, stop.value)
+
+    async def _run_script(self, effect: RunScript) -> list[Any]:
+        return await registry.acall(self._redis, effect.script, effect.keys, effect.args)
+
+    async def _command(self, effect: Command) -> Any:
+        return await effect.command(self._redis, *effect.args)
+
+    async def _receive(self, effect: Receive) -> object | None:
+        return await cast(AsyncSubscription, effect.mailbox).get(effect.timeout)
+
+    async def _subscribe(self, effect: Subscribe) -> AsyncSubscription:
+        return await self._subscriber.subscribe(
+            effect.channel, effect.timeout, confirm=effect.confirm
+        )
+
+    async def _transaction(self, effect: Transaction) -> list[Any]:
+        pipe = self._redis.pipeline(transaction=True)
+        for c in effect.commands:
+            c.command(pipe, *c.args)  # queued: an asyncio pipeline buffers commands
+        return await pipe.execute()
+
+    async def _run_scripts(self, effect: RunScripts) -> list[Any]:
+        r = self._redis
+        pipe = r.pipeline(transaction=False)
+        for call in effect.calls:
+            await registry.aqueue(r, pipe, call.script, call.keys, call.args)
+        return await pipe.execute()
+
+    async def _await_confirmation(self, effect: AwaitConfirmation) -> bool:
+        sub = cast(AsyncSubscription, effect.mailbox)
+        if effect.strict:
+            await sub.wait_confirmed(effect.timeout)
+            return True
+        return await sub.confirmed_within(effect.timeout)
+
+    async def _sleep(self, effect: Sleep) -> None:
+        await asyncio.sleep(effect.seconds)

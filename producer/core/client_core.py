@@ -1,0 +1,245 @@
+"""``ClientCore``: what a client knows and decides, written once for ``Client`` and
+``AsyncClient``.
+
+Every operation is a plan (see ``effects.py``): it validates, builds the script's KEYS/ARGV,
+yields what Redis must do and turns the replies into results or exceptions. The faces add only
+how a plan runs (``_run``: blocking or awaited) and which handle class they hand out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, Protocol, Self, TypeVar
+
+import redis
+from redis.commands.core import HashCommands, SetCommands
+
+from tokenfleet.producer.core import ops
+from tokenfleet.producer.core.effects import (
+    Command,
+    Mailbox,
+    Plan,
+    RunScript,
+    RunScripts,
+    Sleep,
+    Subscribe,
+    Transaction,
+)
+from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
+from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
+from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.queue_config import QueueConfig, QueueStats
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
+from tokenfleet.shared.scripts.enqueue import ENQUEUE, EXPIRED_MESSAGE, enqueue_keys_args
+from tokenfleet.shared.scripts.queue_stats import QUEUE_STATS
+from tokenfleet.shared.settings import Settings
+
+CANCELLED_MESSAGE = "cancelled by the client before it started"
+
+H = TypeVar("H")  # the handle class a face hands out
+
+
+class SubscriberState(Protocol):
+    """What the core asks of a face's subscriber: whether it was closed."""
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class ClientCore(ABC, Generic[H]):
+    """State and plans shared by both faces (arguments: see ``Client``).
+
+    Invariants: nothing here performs I/O; a refused submit (invalid input, closed client,
+    full queue) leaves nothing in Redis; a face's public method runs exactly one plan.
+    """
+
+    def __init__(
+        self,
+        subscriber: SubscriberState,
+        *,
+        settings: Settings | None,
+        recheck_s: float,
+        subscribe_timeout_s: float,
+    ) -> None:
+        self.settings = settings if settings is not None else Settings.from_env()
+        self._keys = Keys(self.settings.key_prefix)
+        self.recheck_s = recheck_s
+        self.subscribe_timeout_s = subscribe_timeout_s
+        self._subscriber = subscriber
+        self._owns_redis = False
+
+    @classmethod
+    def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
+        """A client with its own connection pool; ``url`` defaults to the settings' one."""
+        settings = kwargs.pop("settings", None) or Settings.from_env()
+        settings = settings.with_url(url)
+        client = cls(cls._redis_from_url(settings.redis_url), settings=settings, **kwargs)
+        client._owns_redis = True
+        return client
+
+    @staticmethod
+    @abstractmethod
+    def _redis_from_url(url: str) -> Any:
+        """A redis client of the face's kind with its own pool."""
+
+    @abstractmethod
+    def _new_handle(
+        self, request_id: str, subscription: Mailbox | None, deadline: float | None
+    ) -> H:
+        """The face's handle on ``request_id``."""
+
+    def handle(self, request_id: str) -> H:
+        """A handle on an existing request (e.g. one submitted by another process)."""
+        return self._new_handle(request_id, None, None)
+
+    # -- submitting -----------------------------------------------------------------------------
+    def _submit(
+        self, prompt: Any, params: dict[str, Any], *, timeout: float | None, try_only: bool
+    ) -> Plan[H]:
+        prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
+        if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
+            raise redis.ConnectionError("the client is closed")
+        until = None if timeout is None else time.monotonic() + timeout
+        delay, growth, ceiling = ops.BLOCK_POLL
+        while True:
+            code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only)))
+            if code in ("new", "exists"):
+                # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
+                # handle's first read waits for the confirmation and then reads the record and
+                # token list, so what was published before it is not lost (docs/protocol.md)
+                channel = self._keys.channel(prepared.request_id)
+                sub: Mailbox | None
+                try:
+                    sub = yield Subscribe(channel, self.subscribe_timeout_s, confirm=False)
+                except redis.ConnectionError:  # closed meanwhile: the request exists anyway
+                    sub = None  # the handle subscribes on its first read (and says why not)
+                deadline = prepared.deadline if code == "new" else None
+                return self._new_handle(prepared.request_id, sub, deadline)
+            if code != "full" or (until is not None and time.monotonic() + delay > until):
+                raise ops.refusal(code, value)
+            yield Sleep(delay)
+            delay = min(delay * growth, ceiling)
+
+    def _try_submit(self, prompt: Any, params: dict[str, Any]) -> Plan[H]:
+        params.pop("timeout", None)
+        return self._submit(prompt, params, timeout=0.0, try_only=True)
+
+    def _enqueue(self, prepared: Prepared, try_only: bool) -> RunScript:
+        k, a = enqueue_keys_args(
+            self._keys,
+            prepared.model,
+            prepared.priority,
+            [ops.enqueue_item(prepared)],
+            now=time.time(),
+            ttl_s=self.settings.record_ttl_s,
+            try_only=try_only,
+        )
+        return RunScript(ENQUEUE, k, a)
+
+    def _submit_many(
+        self, requests: Sequence[str | Mapping[str, Any]]
+    ) -> Plan[list[H | TokenfleetError]]:
+        now = time.time()
+        prepared = prepare_many(self.settings, requests, now=now)
+        batches = ops.plan_batches(prepared)
+        calls = []
+        for (model, priority), indices in batches:
+            k, a = enqueue_keys_args(
+                self._keys,
+                model,
+                priority,
+                [ops.enqueue_item(prepared[i]) for i in indices],
+                now=now,
+                ttl_s=self.settings.record_ttl_s,
+            )
+            calls.append(RunScript(ENQUEUE, k, a))
+        replies = yield RunScripts(calls)
+        new_handle = self._new_handle
+        results: dict[int, H | TokenfleetError] = {}
+        for (_, indices), reply in zip(batches, replies, strict=True):
+            pairs = ops.enqueue_pairs(registry.check_reply(ENQUEUE, reply))
+            for i, (code, value) in zip(indices, pairs, strict=True):
+                p = prepared[i]
+                if code in ("new", "exists"):
+                    results[i] = new_handle(p.request_id, None, p.deadline)
+                else:
+                    results[i] = ops.refusal(code, value)
+        return [results[i] for i in range(len(prepared))]
+
+    # -- following requests ---------------------------------------------------------------------
+    def _status(self, request_id: str) -> Plan[RequestRecord]:
+        while True:
+            raw = yield Command(HashCommands.hgetall, (self._keys.record(request_id),))
+            record = RequestRecord.from_hash(request_id, raw)
+            if record is None:
+                raise UnknownRequest(
+                    f"no request {request_id} (never submitted, or its record expired)"
+                )
+            if not ops.is_overdue(record):
+                return record
+            yield from self._expire_overdue(record)  # then read it again: now expired
+
+    def _cancel(self, request_id: str) -> Plan[bool]:
+        record = yield from self._status(request_id)
+        k, a = self._withdraw_args(record, TerminalStatus.CANCELLED, CANCELLED_MESSAGE)
+        code = (yield RunScript(CANCEL, k, a))[0]
+        return code in ("ok", "requested")
+
+    def _expire_overdue(self, record: RequestRecord) -> Plan[None]:
+        k, a = self._withdraw_args(record, TerminalStatus.EXPIRED, EXPIRED_MESSAGE)
+        with contextlib.suppress(UnknownRequest):
+            yield RunScript(EXPIRE_OVERDUE, k, a)
+
+    def _withdraw_args(
+        self, record: RequestRecord, status: TerminalStatus, message: str
+    ) -> tuple[list[str], list[str]]:
+        event = TerminalEvent(record.request_id, status, num_tokens=0, message=message)
+        return withdraw_keys_args(
+            self._keys,
+            event,
+            model=record.model or DEFAULT_MODEL,
+            priority=Priority.parse(record.priority or "normal"),
+            now=time.time(),
+            ttl_s=self.settings.record_ttl_s,
+        )
+
+    # -- queues ---------------------------------------------------------------------------------
+    def _queue_stats(self) -> Plan[list[QueueStats]]:
+        members = yield Command(SetCommands.smembers, (self._keys.queues,))
+        queues = ops.sorted_queues(members)
+        if not queues:
+            return []
+        keys = ops.stats_keys(self._keys, queues)
+        reply = yield RunScript(QUEUE_STATS, keys, [CONSUMER_GROUP])
+        return ops.stats_rows(queues, reply)
+
+    def _queue_config(self, priority: str | Priority, model: str | None) -> Plan[QueueConfig]:
+        p = Priority.parse(priority)
+        key = self._keys.queue_config(model or DEFAULT_MODEL, p)
+        return QueueConfig.from_hash((yield Command(HashCommands.hgetall, (key,))))
+
+    def _set_queue_config(
+        self,
+        priority: str | Priority,
+        model: str | None,
+        max_waiting: int | None,
+        policy: str | None,
+    ) -> Plan[QueueConfig]:
+        p = Priority.parse(priority)
+        m = model or DEFAULT_MODEL
+        config = ops.merged_config((yield from self._queue_config(p, m)), max_waiting, policy)
+        key = self._keys.queue_config(m, p)
+        writes = [
+            Command(HashCommands.hset, (key, field, value))
+            for field, value in config.to_hash().items()
+        ]
+        writes.append(Command(SetCommands.sadd, (self._keys.queues, self._keys.queue_member(m, p))))
+        yield Transaction(tuple(writes))
+        return config

@@ -1,0 +1,122 @@
+"""What a plan asks of the outside world: the only vocabulary between the producer's logic and
+its two drivers.
+
+A *plan* is a generator written once in ``core``: it yields one effect at a time and receives
+its reply (or has the effect's exception thrown in at the ``yield``, so ``try`` / ``except``
+around a ``yield`` works as around a call); its return value is the operation's result. The sync
+driver (``sync_io.driver``) performs effects with blocking calls, the asyncio driver
+(``async_io.driver``) with awaits; neither makes a decision of its own, so both faces give the
+same results for the same calls.
+
+Invariant: an effect is plain data with no I/O of its own, never changed once yielded (not
+frozen only because frozen dataclasses cost three times as much to build on the submit path);
+each driver performs every effect type below and nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeAlias, TypeVar
+
+from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
+
+T = TypeVar("T")
+
+
+class Confirmation(Protocol):
+    """``threading.Event`` or ``asyncio.Event``: set once Redis confirmed a SUBSCRIBE."""
+
+    def is_set(self) -> bool: ...
+
+
+class Mailbox(Protocol):
+    """A subscription of either subscriber (``sync_io`` / ``async_io``), as plans see it:
+    plans test ``confirmation`` and ``close()`` it; only drivers wait on it."""
+
+    channel: str
+
+    @property
+    def confirmation(self) -> Confirmation: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RunScript:
+    """Run one Lua script. Reply: its values, checked by ``registry.check_reply`` (a refusal
+    code arrives in the plan as the mapped exception)."""
+
+    script: LuaScript
+    keys: Sequence[KeyOrArg]
+    args: Sequence[KeyOrArg]
+
+
+@dataclass(slots=True)
+class RunScripts:
+    """Run several scripts in one pipeline without MULTI (one round trip). Reply: the raw
+    replies in order, unchecked (each may carry its own refusal code)."""
+
+    calls: list[RunScript]
+
+
+@dataclass(slots=True)
+class Command:
+    """One plain command. ``command`` is a redis-py command function (``HashCommands.hgetall``
+    and the like: the sync and asyncio clients share these functions), applied to the client
+    with ``args``. Reply: the command's parsed reply."""
+
+    command: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+@dataclass(slots=True)
+class Transaction:
+    """Plain commands in one MULTI/EXEC pipeline. Reply: their replies, in order."""
+
+    commands: tuple[Command, ...]
+
+
+@dataclass(slots=True)
+class Sleep:
+    """Wait ``seconds`` (the ``block`` policy's polling). Reply: None."""
+
+    seconds: float
+
+
+@dataclass(slots=True)
+class Subscribe:
+    """Listen to ``channel`` on the client's shared pub/sub connection. Reply: the ``Mailbox``,
+    once Redis confirmed it if ``confirm``, else at once (SUBSCRIBE sent). Raises
+    ``redis.ConnectionError`` if the client is closed, or not confirmed within ``timeout``."""
+
+    channel: str
+    timeout: float
+    confirm: bool
+
+
+@dataclass(slots=True)
+class Receive:
+    """The next item in ``mailbox`` within ``timeout`` seconds. Reply: the message bytes,
+    ``RESYNC`` (reconnected: re-read the record), or None (nothing came)."""
+
+    mailbox: Mailbox
+    timeout: float
+
+
+@dataclass(slots=True)
+class AwaitConfirmation:
+    """Wait up to ``timeout`` seconds for Redis to confirm ``mailbox``'s SUBSCRIBE. Reply: True
+    once confirmed; False when the time passes first, unless ``strict``: then the mailbox is
+    closed and ``redis.ConnectionError`` raised."""
+
+    mailbox: Mailbox
+    timeout: float
+    strict: bool
+
+
+Effect: TypeAlias = (
+    RunScript | RunScripts | Command | Transaction | Sleep | Subscribe | Receive | AwaitConfirmation
+)
+# A plan: yields effects, is sent their replies, returns T (see the module docstring).
+Plan: TypeAlias = Generator[Effect, Any, T]

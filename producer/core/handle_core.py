@@ -1,0 +1,231 @@
+"""``HandleCore``: how a handle reads one request's events, written once for ``Handle`` and
+``AsyncHandle``.
+
+Reading events: subscribe (at submit time, or lazily on first use), then sync from the durable
+record and token list whenever the cursor asks for it (start, gap, reconnect, a quiet channel),
+else follow the channel. A quiet channel is re-checked every ``recheck_s`` seconds, and at the
+request's deadline, when a still-queued request is finished ``expired`` right there.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.commands.core import HashCommands, ListCommands
+
+from tokenfleet.producer.core.cursor import EventCursor
+from tokenfleet.producer.core.effects import (
+    AwaitConfirmation,
+    Command,
+    Mailbox,
+    Plan,
+    Receive,
+    Subscribe,
+    Transaction,
+)
+from tokenfleet.producer.core.result import Result, build_result
+from tokenfleet.shared.errors import ProtocolError, UnknownRequest
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.schema import (
+    Event,
+    RequestStatus,
+    TerminalEvent,
+    TokenEvent,
+    decode_event,
+)
+
+if TYPE_CHECKING:
+    from tokenfleet.producer.core.client_core import ClientCore
+
+
+def wait_for(recheck_s: float, until: float | None, deadline: float | None) -> float | None:
+    """How long to wait for the next message: until the next re-check, the caller's timeout
+    (monotonic ``until``) or the request's deadline (epoch seconds), whichever is first.
+    Returns None when ``until`` has passed."""
+    wait = recheck_s
+    if until is not None:
+        remaining = until - time.monotonic()
+        if remaining <= 0:
+            return None
+        wait = min(wait, remaining)
+    if deadline is not None:
+        wait = min(wait, max(deadline - time.time(), 0.0) + 0.005)
+    return wait
+
+
+def decode_tokens(request_id: str, raw: list[Any], start: int) -> list[TokenEvent]:
+    """Stored token events from index ``start``; ``ProtocolError`` if one is out of place."""
+    out = []
+    for offset, data in enumerate(raw):
+        event = decode_event(data)
+        if not isinstance(event, TokenEvent) or event.index != start + offset:
+            raise ProtocolError(f"token list of {request_id} is corrupt at {start + offset}")
+        out.append(event)
+    return out
+
+
+class HandleCore:
+    """A submitted request's read state and plans (the faces add ``stream``, ``result``, ...).
+
+    A face narrows ``_client`` (and ``_sub``) to its own client (and subscription) class.
+
+    Invariants: ``_tokens`` holds token events with consecutive indices from ``_base``;
+    ``_terminal`` is set at most once, and no token is appended after it; the subscription is
+    released at the terminal event, by ``close()``, or when the handle is garbage-collected.
+    """
+
+    def __init__(
+        self,
+        client: ClientCore[Any],
+        request_id: str,
+        *,
+        subscription: Mailbox | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self._client = client
+        self._sub: Mailbox | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._cursor = EventCursor(request_id, 0)  # syncs once subscribed
+        self._base = 0  # index of self._tokens[0]
+        self._tokens: list[TokenEvent] = []
+        self._terminal: TerminalEvent | None = None
+        self._ready: deque[Event] = deque()
+        self._deadline = deadline
+        if subscription is not None:
+            self._attach(subscription)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.request_id!r})"
+
+    def close(self) -> None:
+        """Release the subscription (idempotent)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+    # -- plans the faces run --------------------------------------------------------------------
+    def _start_at(self, from_index: int) -> Plan[None]:
+        """Position a new ``stream(from_index)``: a fresh handle starts reading there; an
+        index before the cached ones is read back from the token list."""
+        if isinstance(from_index, bool) or not isinstance(from_index, int) or from_index < 0:
+            raise ValueError(f"from_index must be an integer >= 0, got {from_index!r}")
+        untouched = (
+            not self._tokens and self._terminal is None and not self._ready and self._base == 0
+        )
+        if untouched and self._cursor.next_index == 0 and from_index > 0:
+            self._base = self._cursor.next_index = from_index
+            self._cursor.needs_sync = True
+        elif from_index < self._base:
+            yield from self._backfill(from_index)
+
+    def _next_event(self, timeout: float | None) -> Plan[None]:
+        """Receive one more event into the cache; ``TimeoutError`` after ``timeout`` s."""
+        until = None if timeout is None else time.monotonic() + timeout
+        if not (yield from self._pull(until)):
+            raise TimeoutError(f"no event for request {self.request_id} within {timeout}s")
+
+    def _result(self, timeout: float | None) -> Plan[Result]:
+        """Wait for the end (``timeout`` bounds the whole wait); the result if ``done``, else
+        ``RequestFailed`` with its code."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while self._terminal is None:
+            if not (yield from self._pull(until)):
+                raise TimeoutError(f"request {self.request_id} did not finish within {timeout}s")
+        if self._base > 0:
+            yield from self._backfill(0)
+        return build_result(self._tokens, self._terminal)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _attach(self, sub: Mailbox) -> None:
+        self._sub = sub
+        self._finalizer = weakref.finalize(self, sub.close)
+
+    def _detach(self) -> None:
+        """Release the subscription and forget it: the next read subscribes again."""
+        self.close()
+        self._sub, self._finalizer = None, None
+
+    def _backfill(self, from_index: int) -> Plan[None]:
+        key = self._client._keys.tokens(self.request_id)
+        raw = yield Command(ListCommands.lrange, (key, from_index, self._base - 1))
+        if len(raw) != self._base - from_index:
+            raise UnknownRequest(f"the token list of {self.request_id} has expired")
+        self._tokens[:0] = decode_tokens(self.request_id, raw, from_index)
+        self._base = from_index
+
+    def _record(self, event: Event) -> None:
+        if isinstance(event, TokenEvent):
+            self._tokens.append(event)
+        else:
+            self._terminal = event
+            self.close()
+
+    def _pull(self, until: float | None) -> Plan[bool]:
+        """Receive one more event into the cache; False if ``until`` passed first."""
+        if self._sub is None:
+            client = self._client
+            channel = client._keys.channel(self.request_id)
+            self._attach((yield Subscribe(channel, client.subscribe_timeout_s, confirm=True)))
+            self._cursor.needs_sync = True
+        sub = self._sub
+        # subscribed at submit, not confirmed yet
+        if (
+            sub is not None
+            and not sub.confirmation.is_set()
+            and not (yield from self._confirmed(sub, until))
+        ):
+            return False
+        while sub is not None:
+            if self._ready:
+                self._record(self._ready.popleft())
+                return True
+            if self._cursor.needs_sync:
+                self._ready.extend((yield from self._sync()))
+                continue
+            wait = wait_for(self._client.recheck_s, until, self._deadline)
+            if wait is None:
+                return False
+            item = yield Receive(sub, wait)
+            if not isinstance(item, bytes):  # None (quiet) or RESYNC (reconnected)
+                self._cursor.needs_sync = True  # re-read the record and the token list
+            else:
+                self._ready.extend(self._cursor.on_message(item))
+        return False
+
+    def _confirmed(self, sub: Mailbox, until: float | None) -> Plan[bool]:
+        """Wait for Redis to confirm ``sub``: False if the caller's ``until`` comes first.
+        Raises ``redis.ConnectionError`` after ``subscribe_timeout_s``; the next read then
+        subscribes afresh."""
+        limit = self._client.subscribe_timeout_s
+        if until is not None and until - time.monotonic() < limit:
+            remaining = max(0.0, until - time.monotonic())
+            return bool((yield AwaitConfirmation(sub, remaining, strict=False)))
+        try:
+            yield AwaitConfirmation(sub, limit, strict=True)
+        except redis.ConnectionError:
+            self._detach()
+            raise
+        return True
+
+    def _sync(self) -> Plan[list[Event]]:
+        client, keys, rid = self._client, self._client._keys, self.request_id
+        while True:
+            start = self._cursor.next_index
+            read = (
+                Command(HashCommands.hgetall, (keys.record(rid),)),
+                Command(ListCommands.lrange, (keys.tokens(rid), start, -1)),
+            )
+            raw, tokens = yield Transaction(read)
+            record = RequestRecord.from_hash(rid, raw)
+            if record is not None and record.status is RequestStatus.QUEUED:
+                self._deadline = record.deadline
+                if record.deadline is not None and record.deadline <= time.time():
+                    yield from client._expire_overdue(record)
+                    continue
+            else:
+                self._deadline = None
+            return self._cursor.on_sync(raw, tokens, start)

@@ -1,0 +1,133 @@
+"""The client logic is sans-I/O: plans driven by hand, with scripted replies and no Redis, and
+the drivers' one contract (a reply is sent in, an exception thrown in at the ``yield``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any, get_args
+
+import pytest
+import redis
+from redis.commands.core import HashCommands
+
+from tokenfleet.producer import Client, Handle, Overloaded, UnknownRequest
+from tokenfleet.producer.async_io.driver import AsyncDriver
+from tokenfleet.producer.core import ops
+from tokenfleet.producer.core.effects import Command, Effect, Plan, RunScript, Sleep, Subscribe
+from tokenfleet.producer.core.subscriptions import (
+    RECONNECT_BACKOFF_CEILING_S,
+    RECONNECT_BACKOFF_FIRST_S,
+    Backoff,
+)
+from tokenfleet.producer.sync_io.driver import SyncDriver
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.scripts.enqueue import ENQUEUE
+from tokenfleet.shared.settings import Settings
+
+SETTINGS = Settings(redis_url="redis://127.0.0.1:1/0", key_prefix="core")
+
+
+@pytest.fixture
+def offline() -> Iterator[Client]:
+    """A client whose Redis is never reached: its plans are only driven by hand."""
+    client = Client(redis.Redis.from_url(SETTINGS.redis_url), settings=SETTINGS)
+    yield client
+    client.close()
+
+
+def test_status_is_one_hgetall_and_no_record_is_unknown(offline: Client) -> None:
+    plan = offline._status("r1")
+    assert next(plan) == Command(HashCommands.hgetall, (Keys("core").record("r1"),))
+    with pytest.raises(UnknownRequest, match="no request r1"):
+        plan.send({})
+
+
+def test_submit_subscribes_after_the_enqueue_and_survives_a_closed_subscriber(
+    offline: Client,
+) -> None:
+    plan = offline._submit("hi", {"request_id": "r1"}, timeout=None, try_only=False)
+    enqueue = next(plan)
+    assert isinstance(enqueue, RunScript) and enqueue.script is ENQUEUE
+    subscribe = plan.send(["ok", b"new", b""])
+    assert subscribe == Subscribe(Keys("core").channel("r1"), offline.subscribe_timeout_s, False)
+    with pytest.raises(StopIteration) as stop:  # closed meanwhile: the request exists anyway
+        plan.throw(redis.ConnectionError("the client is closed"))
+    handle = stop.value.value
+    assert isinstance(handle, Handle) and handle.request_id == "r1" and handle._sub is None
+
+
+def test_a_block_queue_is_polled_with_growing_delays(offline: Client) -> None:
+    plan = offline._submit("hi", {}, timeout=None, try_only=False)
+    next(plan)
+    first, growth, ceiling = ops.BLOCK_POLL
+    delays = []
+    for _ in range(12):
+        sleep = plan.send(["ok", b"full", b"queue is full"])
+        assert isinstance(sleep, Sleep)
+        delays.append(sleep.seconds)
+        assert isinstance(plan.send(None), RunScript)  # then it asks again
+    assert delays[:2] == [first, first * growth]
+    assert max(delays) == ceiling and delays == sorted(delays)
+
+
+def test_a_refusal_ends_the_plan_with_its_error(offline: Client) -> None:
+    plan = offline._submit("hi", {}, timeout=0.0, try_only=True)
+    next(plan)
+    with pytest.raises(Overloaded, match="queue is full"):
+        plan.send(["ok", b"full", b"queue is full"])
+
+
+def _boom(_client: object) -> None:
+    raise ValueError("boom")
+
+
+async def _aboom(_client: object) -> None:
+    raise ValueError("boom")
+
+
+def _catching(command: Any) -> Plan[str]:
+    try:
+        yield Command(command, ())
+    except ValueError as exc:
+        return f"caught {exc}"
+    return "not raised"
+
+
+def test_drivers_throw_an_effects_exception_into_the_plan() -> None:
+    sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
+    assert sync.run(_catching(_boom)) == "caught boom"
+    aio = AsyncDriver(None, None)  # type: ignore[arg-type]
+    assert asyncio.run(aio.run(_catching(_aboom))) == "caught boom"
+
+
+def test_both_drivers_perform_every_effect_type() -> None:
+    effect_types = set(get_args(Effect))
+    assert len(effect_types) == 8
+    sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
+    assert set(sync._perform) == effect_types
+    assert set(AsyncDriver(None, None)._perform) == effect_types  # type: ignore[arg-type]
+
+
+def test_an_uncaught_exception_leaves_the_driver() -> None:
+    def plan() -> Plan[None]:
+        yield Command(_boom, ())
+
+    with pytest.raises(ValueError, match="boom"):
+        SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None).run(plan())  # type: ignore[arg-type]
+
+
+def test_stream_refuses_a_bad_index(offline: Client) -> None:
+    handle = offline.handle("r1")
+    for bad in (-1, True, "0"):
+        with pytest.raises(ValueError, match="from_index"):
+            next(handle.stream(bad))  # type: ignore[arg-type]
+
+
+def test_reconnect_backoff_doubles_up_to_its_ceiling_and_resets() -> None:
+    backoff = Backoff()
+    delays = [backoff.next() for _ in range(10)]
+    assert delays[:3] == [RECONNECT_BACKOFF_FIRST_S, 2 * RECONNECT_BACKOFF_FIRST_S, 0.2]
+    assert max(delays) == RECONNECT_BACKOFF_CEILING_S == delays[-1]
+    backoff.reset()
+    assert backoff.next() == RECONNECT_BACKOFF_FIRST_S
