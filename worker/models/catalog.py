@@ -11,7 +11,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenfleet.shared.errors import SettingsError
+from tokenfleet.worker.models.errors import ModelFileError
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,16 +24,16 @@ class BundledModel:
     install: str  # the command that installs the package
 
     def path(self) -> Path:
-        """The GGUF file's location; ``SettingsError`` naming the install command if the package
+        """The GGUF file's location; ``ModelFileError`` naming the install command if the package
         or its file is missing."""
         spec = importlib.util.find_spec(self.package)
         if spec is None or spec.origin is None:
-            raise SettingsError(
+            raise ModelFileError(
                 f"model {self.name!r} needs the package {self.package!r}: run `{self.install}`"
             )
         path = Path(spec.origin).parent / self.filename
         if not path.is_file():
-            raise SettingsError(
+            raise ModelFileError(
                 f"model {self.name!r}: {path} is missing from the installed package "
                 f"{self.package!r}; reinstall it with `{self.install}`"
             )
