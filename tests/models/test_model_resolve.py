@@ -67,7 +67,7 @@ def test_a_truncated_gguf_names_the_file_and_leaves_no_cache_entry(tmp_path: Pat
 def test_folders_that_hold_no_model(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelFileError, match="neither a config.json"):
+    with pytest.raises(ModelFileError, match=r"neither a config\.json"):
         resolve_model(str(empty), cache=tmp_path / "c")
     two = tmp_path / "two"
     two.mkdir()

@@ -74,7 +74,7 @@ def worker(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_a_worker_returns_what_the_engine_returns(
     worker: Any, redis_server: Any, engine: Engine, chat_prompts: list[list[int]]
 ) -> None:
-    proc, log_path = worker
+    _proc, log_path = worker
     cases = [
         {"temperature": 0.0, "max_tokens": 48},
         SEEDED,
