@@ -12,7 +12,17 @@ import pytest
 
 from tokenfleet.worker import cli
 
-COMMANDS = ("demo", "worker", "submit", "queues", "status", "make-tiny-model", "bench", "pool")
+COMMANDS = (
+    "demo",
+    "worker",
+    "models",
+    "submit",
+    "queues",
+    "status",
+    "make-tiny-model",
+    "bench",
+    "pool",
+)
 # Commands whose options live on their actions; each action must take --redis-url.
 ACTIONS = {"pool": ("create", "show")}
 
