@@ -44,7 +44,10 @@ class Side:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="decode step: tokenfleet vs HF DynamicCache")
-    parser.add_argument("--model", help="model folder (default: a fresh tiny llama, seed 0)")
+    parser.add_argument(
+        "--model",
+        help="bundled name (smollm2), .gguf file or model folder (default: a fresh tiny llama)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="sequences decoding together")
     parser.add_argument("--context", type=int, default=128, help="tokens already cached per seq")
     parser.add_argument("--jitter", type=int, default=0, help="context lengths vary by ± this")
@@ -161,7 +164,12 @@ def main() -> None:
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")
+        if args.model:
+            from tokenfleet.worker.models.resolve import resolve_model
+
+            model_dir = resolve_model(args.model)
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "tiny-llama")
         rng = random.Random(args.seed)
         # Prompts of context - block_size / 2 tokens; each step decodes one of the next
         # block_size tokens in turn, so contexts average ``context`` tokens.
