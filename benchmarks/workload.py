@@ -85,6 +85,60 @@ def make_workload(
     return Workload(requests=requests, rate_per_s=rate_per_s, seed=seed)
 
 
+CHAT_TEXT = (
+    "Our team runs a small online bookshop and wants to send every customer a short, friendly "
+    "note when an order ships. The note should name the book, say when it will arrive, and "
+    "thank them without sounding like a template. Some customers order several books at once, "
+    "some order gifts for other people, and a few live abroad where delivery takes weeks. We "
+    "also want a version for delayed orders that apologises and offers a discount code. Please "
+    "suggest wording for each case, keep every note under eighty words, avoid exclamation "
+    "marks, and explain briefly why each choice of words works for that customer."
+)
+
+
+def chat_workload(
+    num_requests: int,
+    *,
+    tokenizer: object,
+    rate_per_s: float,
+    prompt_tokens: tuple[int, int] = (10, 200),
+    max_tokens: tuple[int, int] = (16, 128),
+    seed: int = 0,
+) -> Workload:
+    """Like :func:`make_workload`, but each prompt is a real chat turn through the tokenizer's
+    chat template: the user's text (a prefix of ``CHAT_TEXT``, cut at a token) is as long as
+    the drawn prompt length allows after the template's own tokens, so prompt lengths still
+    follow ``prompt_tokens`` (never below the template's overhead plus one token)."""
+    base = make_workload(
+        num_requests,
+        vocab_size=2,
+        rate_per_s=rate_per_s,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        first_token_id=0,
+        seed=seed,
+    )
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+    text_ids = encode(CHAT_TEXT, add_special_tokens=False)
+    template = tokenizer.apply_chat_template  # type: ignore[attr-defined]
+    marker = "\x00"
+    rendered = template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    head, tail = rendered.split(marker)
+    head_ids = encode(head, add_special_tokens=False)
+    tail_ids = encode(tail, add_special_tokens=False)
+    requests = []
+    for req in base.requests:
+        room = max(1, len(req.prompt_token_ids) - len(head_ids) - len(tail_ids))
+        body = (text_ids * (room // len(text_ids) + 1))[:room]
+        ids = tuple(head_ids + body + tail_ids)
+        requests.append(
+            WorkloadRequest(req.request_id, req.arrival_s, ids, req.max_tokens, req.priority)
+        )
+    return Workload(requests=requests, rate_per_s=rate_per_s, seed=seed)
+
+
 def percentile(values: list[float], q: float) -> float:
     """The ``q``-th percentile (0..100) by linear interpolation; NaN for no values."""
     if not values:

@@ -98,6 +98,8 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "kv_blocks",
         "kv_memory",
         "block_size",
+        "max_model_len",
+        "model_cache",
         "priorities",
         "name",
         "metrics_port",

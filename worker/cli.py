@@ -4,7 +4,7 @@ Each command module defines ``register(subparsers) -> None`` that adds its parse
 ``func`` (a callable taking the parsed namespace and returning an exit code); ``COMMANDS`` lists
 those ``register`` functions, imported by name below, in the order ``--help`` shows them. The
 commands come from three places: the producer's (``submit``, ``queues``), the service's
-(``worker``, ``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``,
+(``worker``, ``models``, ``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``,
 ``bench``).
 
 Invariant: importing this module imports no torch or transformers. Command modules import heavy
@@ -27,13 +27,14 @@ from typing import Any
 
 from tokenfleet.producer.commands import queues, submit
 from tokenfleet.shared.errors import TokenfleetError
-from tokenfleet.worker.commands import pool, status, worker
+from tokenfleet.worker.commands import models, pool, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
 
 # Order is the order shown by --help.
 COMMANDS: tuple[Callable[[Any], None], ...] = (
     demo.register,
     worker.register,
+    models.register,
     submit.register,
     queues.register,
     status.register,

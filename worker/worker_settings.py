@@ -31,6 +31,7 @@ ENV_VARS: dict[str, str] = {
     "TOKENFLEET_KV_BLOCKS": "kv_blocks",
     "TOKENFLEET_KV_MEMORY": "kv_memory",
     "TOKENFLEET_BLOCK_SIZE": "block_size",
+    "TOKENFLEET_MAX_MODEL_LEN": "max_model_len",
     "TOKENFLEET_PRIORITIES": "priorities",
     "TOKENFLEET_NAME": "name",
     "TOKENFLEET_METRICS_PORT": "metrics_port",
@@ -41,7 +42,15 @@ ENV_VARS: dict[str, str] = {
 }
 
 _INT_FIELDS = frozenset(
-    {"max_num_seqs", "max_batched_tokens", "kv_blocks", "block_size", "metrics_port", "threads"}
+    {
+        "max_num_seqs",
+        "max_batched_tokens",
+        "kv_blocks",
+        "block_size",
+        "max_model_len",
+        "metrics_port",
+        "threads",
+    }
 )
 _FLOAT_FIELDS = frozenset(
     {
@@ -96,6 +105,8 @@ class WorkerSettings:
         max_num_seqs, max_batched_tokens: engine limits per step.
         kv_blocks / kv_memory_bytes: KV cache size (at most one; neither = engine default).
         block_size: tokens per KV block.
+        max_model_len: prompt + output tokens per request at most (None: the model's context,
+            capped by the KV cache, with a warning at start when the cache caps it).
         priorities: the levels this worker serves, most urgent first.
         name: consumer name in every group and heartbeat key; unique in the fleet.
         metrics_port: Prometheus endpoint port; None = no endpoint.
@@ -123,6 +134,7 @@ class WorkerSettings:
     kv_blocks: int | None = None
     kv_memory_bytes: int | None = None
     block_size: int = 16
+    max_model_len: int | None = None
     priorities: tuple[Priority, ...] = PRIORITIES
     name: str = field(default_factory=default_worker_name)
     metrics_port: int | None = None
@@ -153,7 +165,7 @@ class WorkerSettings:
             )
         for name in ("max_num_seqs", "max_batched_tokens", "block_size", "poison_limit"):
             _check_positive(name, getattr(self, name))
-        for name in ("kv_blocks", "kv_memory_bytes", "threads"):
+        for name in ("kv_blocks", "kv_memory_bytes", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -213,6 +225,8 @@ class WorkerSettings:
             out["num_kv_blocks"] = self.kv_blocks
         if self.kv_memory_bytes is not None:
             out["kv_memory_bytes"] = self.kv_memory_bytes
+        if self.max_model_len is not None:
+            out["max_model_len"] = self.max_model_len
         return out
 
 

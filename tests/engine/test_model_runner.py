@@ -394,3 +394,19 @@ def test_prefill_chunk_attention_matches_reference(
                 scores = torch.tanh(scores / softcap) * softcap
             want = torch.softmax(scores, dim=0) @ v
             torch.testing.assert_close(got[t, h], want, atol=1e-5, rtol=0)
+
+
+def test_auto_dtype_follows_the_model_where_the_device_computes_it_well() -> None:
+    from types import SimpleNamespace
+
+    from tokenfleet.worker.engine.model_runner import _resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for declared in (torch.float32, torch.bfloat16, torch.float16, None, "bfloat16"):
+        cfg = SimpleNamespace(dtype=declared)
+        assert _resolve_dtype("auto", cpu, cfg) == torch.float32  # 16-bit CPU matmuls are slow
+    assert _resolve_dtype("auto", cuda, SimpleNamespace(dtype=torch.float16)) == torch.float16
+    assert _resolve_dtype("auto", cuda, SimpleNamespace(dtype=torch.float32)) == torch.float32
+    assert _resolve_dtype("bfloat16", cpu, None) == torch.bfloat16  # explicit wins
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        _resolve_dtype("int8", cpu, None)

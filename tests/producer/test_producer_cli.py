@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -10,8 +11,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import redis
 from producer_helpers import FakeWorker
 
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import GenerationRequest
 from tokenfleet.worker.cli import main
 
 TOKENFLEET = Path(sys.executable).parent / "tokenfleet"
@@ -89,3 +94,68 @@ def test_installed_entry_point(redis_url: str) -> None:
         check=True,
     )
     assert json.loads(out.stdout) == []
+
+
+def _queued_requests(redis_url: str) -> dict[str, GenerationRequest]:
+    """The decoded requests waiting in the normal queue, by id."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        entries = client.xrange(Keys("tft").stream("default", Priority.NORMAL))
+    finally:
+        client.close()
+    out = {}
+    for _, fields in entries:
+        request = GenerationRequest.decode(fields[b"d"], 1 << 20)
+        out[request.request_id] = request
+    return out
+
+
+def test_submit_chat_system_and_messages(
+    redis_url: str,
+    worker: FakeWorker,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = ["--redis-url", redis_url, "--detach"]
+    assert (
+        main(["submit", "--chat", "Hi?", "--system", "Be brief.", "--request-id", "c1", *args]) == 0
+    )
+    assert main(["submit", "Once", "--request-id", "c2", *args]) == 0
+    turns = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+    turns.append({"role": "user", "content": "C"})
+    (tmp_path / "chat.json").write_text(json.dumps(turns))
+    assert (
+        main(["submit", "--messages", str(tmp_path / "chat.json"), "--request-id", "c3", *args])
+        == 0
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(turns)))
+    assert main(["submit", "--messages", "-", "--request-id", "c4", *args]) == 0
+    capsys.readouterr()
+    queued = _queued_requests(redis_url)
+    assert [dict(m) for m in queued["c1"].messages or ()] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+    ]
+    assert queued["c2"].prompt == "Once" and queued["c2"].messages is None
+    assert [dict(m) for m in queued["c3"].messages or ()] == turns
+    assert [dict(m) for m in queued["c4"].messages or ()] == turns
+    for bad, why in [
+        (["--messages", "-", "x"], "give no PROMPT"),
+        (["--system", "s", "x"], "--system needs --chat"),
+        ([], "give a PROMPT"),
+        (["--messages", str(tmp_path / "absent.json")], "absent.json"),
+    ]:
+        assert main(["submit", *bad, "--redis-url", redis_url]) == 1
+        assert why in capsys.readouterr().err
+
+
+def test_a_result_with_no_tokens_is_said_so(
+    redis_url: str, worker: FakeWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    thread = _serve_in_thread(worker, [])
+    assert main(["submit", "hello", "--redis-url", redis_url]) == 0
+    thread.join(30)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "(no tokens generated: finish_reason stop)" in captured.err

@@ -2,7 +2,8 @@
 
 Every flag has a ``TOKENFLEET_*`` environment variable (for compose); a flag wins over the
 environment. Exit status: 0 after a graceful stop, 3 when the engine failed several steps in a
-row (see ``tokenfleet.worker.service``), 1 on bad settings.
+row (see ``tokenfleet.worker.service``), 4 when the model cannot be found or loaded (nothing was
+read from the queue: queued work waits for a healthy worker), 1 on other bad settings.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ def register(subparsers: Any) -> None:
         "run them through the continuous-batching engine and stream tokens back over Redis. "
         "Each flag defaults to its TOKENFLEET_* environment variable.",
     )
-    p.add_argument("--model", help="model folder or hub id (TOKENFLEET_MODEL)")
+    p.add_argument(
+        "--model",
+        help="bundled name (smollm2), .gguf file, model folder, or a hub id already in the local "
+        "cache (TOKENFLEET_MODEL)",
+    )
     p.add_argument(
         "--model-name",
         help="served model name, the queues' MODEL (TOKENFLEET_MODEL_NAME, default 'default')",
@@ -36,6 +41,12 @@ def register(subparsers: Any) -> None:
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks", type=int, help="KV cache blocks (TOKENFLEET_KV_BLOCKS)")
     kv.add_argument("--kv-memory", help="KV cache memory, e.g. 512M or 4GiB (TOKENFLEET_KV_MEMORY)")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="prompt + output tokens per request at most (TOKENFLEET_MAX_MODEL_LEN; default: the "
+        "model's context, capped by the KV cache with a warning)",
+    )
     p.add_argument("--block-size", type=int, help="tokens per KV block (TOKENFLEET_BLOCK_SIZE)")
     p.add_argument(
         "--priorities",
@@ -93,6 +104,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
         block_size=args.block_size,
+        max_model_len=args.max_model_len,
         priorities=args.priorities,
         name=args.name,
         metrics_port=args.metrics_port,
@@ -120,10 +132,27 @@ def func(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(ws.threads)
     from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.engine.model_runner import UnsupportedModel
     from tokenfleet.worker.metrics import WorkerMetrics
+    from tokenfleet.worker.models.errors import EXIT_MODEL_UNAVAILABLE, ModelFileError
+    from tokenfleet.worker.models.resolve import resolve_model
+    from tokenfleet.worker.models.startup import context_warning, model_summary
     from tokenfleet.worker.service import WorkerService
 
-    engine = Engine(ws.model, **ws.engine_overrides())
+    log = logging.getLogger("tokenfleet.worker")
+    try:
+        folder = resolve_model(ws.model)
+        engine = Engine(folder, **ws.engine_overrides())
+    except (ModelFileError, UnsupportedModel) as exc:
+        print(f"tokenfleet worker: model {ws.model!r} cannot be used: {exc}", file=sys.stderr)
+        return EXIT_MODEL_UNAVAILABLE
+    except ValueError as exc:  # a setting the model cannot honour (dtype, max_model_len, ...)
+        print(f"tokenfleet worker: {exc}", file=sys.stderr)
+        return 1
+    log.info("%s", model_summary(ws.model, folder, engine))
+    warning = None if ws.max_model_len is not None else context_warning(engine)
+    if warning:
+        log.warning("%s", warning)
     metrics = WorkerMetrics(ws.model_name)
     if ws.metrics_port is not None:
         metrics.serve(ws.metrics_port)

@@ -72,10 +72,26 @@ def _kv_shape(config: Any) -> tuple[int, int, int]:
     return int(cfg.num_hidden_layers), num_kv_heads, int(head_dim)
 
 
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the model's config declares (``dtype``, or ``torch_dtype`` before 4.56)."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = _DTYPES.get(declared)
+    return declared if isinstance(declared, torch.dtype) else None
+
+
+def _resolve_dtype(dtype: str, device: torch.device, config: Any = None) -> torch.dtype:
+    """``dtype`` as a torch dtype; ``"auto"`` follows the model's own dtype where the device
+    computes it well: on CUDA bfloat16 becomes float16 where the card lacks bfloat16; on a CPU a
+    16-bit model runs in float32 (CPU matmuls in 16 bits are slower than in 32 on most CPUs, and
+    PyTorch's CPU float16 kernels are partial). A config that declares nothing gets float32 on a
+    CPU, bfloat16 (else float16) on CUDA."""
     if dtype == "auto":
+        declared = _config_dtype(config) if config is not None else None
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            if declared is None or declared == torch.bfloat16:
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return declared
         return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, not {dtype!r}")
@@ -110,10 +126,10 @@ class ModelRunner:
         if num_kv_blocks is not None and kv_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _resolve_dtype(dtype, self.device)
         self.block_size = block_size
 
         self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        self.dtype = _resolve_dtype(dtype, self.device, _text_config(self.config))
         model_type = getattr(self.config, "model_type", type(self.config).__name__)
         _register_attention()
         try:

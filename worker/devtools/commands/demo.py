@@ -1,11 +1,13 @@
 """``tokenfleet demo``: start a small fleet, submit a mix of requests, watch them stream.
 
-With no arguments: a Redis (REDIS_URL, else localhost:6379, else a private one), the tiny model
-(built once into ``./.tiny-model/``), two worker processes with one thread each, and twelve
-requests at the three priorities, chat and plain, some with stop strings. Tokens are shown as
-they arrive, one line per request and burst (readable in a terminal and in CI logs); a summary
-table ends the run. ``--workers 0`` uses the fleet already running (compose's demo producer).
-Every run uses its own key prefix unless ``--workers 0``, so a shared Redis is not disturbed.
+With no arguments: a Redis (REDIS_URL, else localhost:6379, else a private one), the bundled
+SmolLM2-135M-Instruct (its GGUF file converted once into the model cache; ``--model tiny`` runs
+the tiny random model instead), two worker processes with one thread each, and twelve chat
+requests at the three priorities, greedy and sampled, some with a system turn or a stop string.
+Tokens are shown as they arrive, one line per request and burst (readable in a terminal and in
+CI logs); a summary table and each answer end the run. ``--workers 0`` uses the fleet already
+running (compose's demo producer). Every run uses its own key prefix unless ``--workers 0``, so
+a shared Redis is not disturbed.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROMPTS: tuple[str, ...] = (
-    "Once upon a time, in a quiet harbour town,",
-    "The best way to learn a new language is",
-    "Write a short note about the sea.",
-    "The old library kept its secrets",
+    "What is the capital of France?",
+    "Give me three tips for learning a new language.",
+    "Write a short poem about the sea.",
+    "Why do cats purr?",
     "Describe a rainy morning in the city.",
-    "In the beginning there was only the river",
+    "Explain what a message queue is in two sentences.",
 )
+SYSTEM = "You are a helpful assistant. Answer briefly."
+TINY = "tiny"  # --model tiny: the tiny random model built into ./.tiny-model/
 PRIORITY_CYCLE: tuple[str, ...] = ("critical", "normal", "batch")
 
 
@@ -38,6 +42,7 @@ class Row:
     request_id: str
     priority: str
     kind: str
+    question: str = ""
     text: str = ""
     num_tokens: int = 0
     status: str = ""
@@ -52,8 +57,9 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
         help="run a local fleet and stream a mix of requests (the README's main command)",
-        description="Start worker processes on the tiny model (or --model), submit requests at "
-        "the three priorities, stream their tokens live and print a summary table.",
+        description="Start worker processes on SmolLM2-135M-Instruct (or --model), submit chat "
+        "requests at "
+        "the three priorities, stream their text live and print a summary table.",
     )
     p.add_argument(
         "--workers",
@@ -64,8 +70,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--requests", type=int, default=12, help="requests to submit (12)")
     p.add_argument(
         "--model",
-        default=None,
-        help="model folder or hub id for the workers (default: the tiny model)",
+        default="smollm2",
+        help="what the workers load: a bundled name, .gguf file, folder or cached hub id, or "
+        "'tiny' for the tiny random model (default: smollm2)",
     )
     p.add_argument(
         "--model-name",
@@ -106,8 +113,13 @@ def func(args: argparse.Namespace) -> int:
 def _with_fleet(args: argparse.Namespace, settings: Any) -> int:
     from tokenfleet.worker.devtools.local_fleet import LocalFleet, delete_prefix
     from tokenfleet.worker.devtools.tiny_model import cached_tiny_model
+    from tokenfleet.worker.models.resolve import resolve_model
 
-    model = args.model or str(cached_tiny_model())
+    if args.model == TINY:
+        model = str(cached_tiny_model())
+    else:  # converted here, once, rather than by every worker at the same time
+        print(f"preparing model {args.model} ...", flush=True)
+        model = str(resolve_model(args.model))
     print(f"model: {model}   key prefix: {settings.key_prefix}")
     print(f"starting {args.workers} worker process(es), 1 thread each ...", flush=True)
     fleet = LocalFleet(
@@ -139,17 +151,16 @@ def _requests(n: int, max_tokens: int, model_name: str) -> list[dict[str, Any]]:
         spec: dict[str, Any] = {
             "priority": PRIORITY_CYCLE[i % 3],
             "max_tokens": max_tokens if i % 4 else max_tokens // 2,
-            "temperature": 0.8,
+            "temperature": 0.7 if i % 2 else 0.0,  # greedy and seeded sampling
             "seed": i,
             "request_id": f"demo-{i:02d}-{uuid.uuid4().hex[:6]}",
             "model": model_name,
+            "messages": [{"role": "user", "content": prompt}],
         }
-        if i % 2:
-            spec["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            spec["prompt"] = prompt
+        if i % 3 == 1:
+            spec["messages"].insert(0, {"role": "system", "content": SYSTEM})
         if i % 5 == 2:
-            spec["stop"] = [" the"]
+            spec["stop"] = ["\n"]
         out.append(spec)
     return out
 
@@ -164,11 +175,15 @@ def _run(args: argparse.Namespace, settings: Any) -> int:
         start = time.monotonic()
         handles = []
         for spec in specs:
-            kind = "chat" if "messages" in spec else "plain"
+            kind = "chat" + (" +system" if len(spec["messages"]) > 1 else "")
             rid = spec["request_id"]
-            rows[rid] = Row(rid, spec["priority"], kind + (" +stop" if "stop" in spec else ""))
-            prompt = spec.pop("prompt", None)
-            handles.append(client.submit(prompt, **spec))
+            rows[rid] = Row(
+                rid,
+                spec["priority"],
+                kind + (" +stop" if "stop" in spec else ""),
+                question=spec["messages"][-1]["content"],
+            )
+            handles.append(client.submit(**spec))
         print(
             f"submitted {len(handles)} requests; streaming (one line per request and burst):",
             flush=True,
@@ -252,7 +267,7 @@ def _summary(rows: list[Row], elapsed_s: float) -> None:
     order = {"critical": 0, "normal": 1, "batch": 2}
     rows = sorted(rows, key=lambda r: (order.get(r.priority, 9), r.request_id))
     header = (
-        f"{'request':<9} {'priority':<9} {'kind':<12} {'queue ms':>9} {'TTFT ms':>8} "
+        f"{'request':<9} {'priority':<9} {'kind':<19} {'queue ms':>9} {'TTFT ms':>8} "
         f"{'e2e ms':>8} {'tokens':>6}  finish"
     )
     print()
@@ -260,7 +275,7 @@ def _summary(rows: list[Row], elapsed_s: float) -> None:
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r.request_id[:7]:<9} {r.priority:<9} {r.kind:<12} {_ms(r.queue_s):>9} "
+            f"{r.request_id[:7]:<9} {r.priority:<9} {r.kind:<19} {_ms(r.queue_s):>9} "
             f"{_ms(r.ttft_s):>8} {_ms(r.e2e_s):>8} {r.num_tokens:>6}  "
             f"{r.status or 'unfinished'} {r.finish_reason}"
         )
@@ -268,3 +283,7 @@ def _summary(rows: list[Row], elapsed_s: float) -> None:
     rate = total / elapsed_s if elapsed_s > 0 else 0.0
     print("-" * len(header))
     print(f"{len(rows)} requests, {total} tokens in {elapsed_s:.1f} s: {rate:.1f} tokens/s overall")
+    print()
+    for r in rows:
+        answer = " ".join(r.text.split()) if r.num_tokens else "(no tokens)"
+        print(f"{r.request_id[:7]} Q: {r.question}\n        A: {answer}")

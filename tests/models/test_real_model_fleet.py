@@ -1,0 +1,102 @@
+"""SmolLM2 through the fleet: seeded sampling is reproducible, and a real worker process behind
+the suite's private Redis returns what the in-process engine returns, token for token."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from conftest import CHATS, MODEL_CACHE
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.engine.engine import Engine, EngineConfig
+from tokenfleet.worker.engine.request import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
+PREFIX = "tfm"
+SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 32}
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Engine:
+    return Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+
+
+def test_seeded_sampling_is_reproducible_alone_and_batched(
+    engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    seeded = SamplingParams(**SEEDED)
+    first = engine.generate([chat_prompts[1]], seeded)[0]
+    again = engine.generate([chat_prompts[1]], seeded)[0]
+    batched = engine.generate(chat_prompts[:4], seeded)[1]
+    assert first.token_ids == again.token_ids == batched.token_ids
+    assert len(first.text.split()) >= 5  # real words
+    other = engine.generate([chat_prompts[1]], SamplingParams(**{**SEEDED, "seed": 99}))[0]
+    assert other.token_ids != first.token_ids  # the seed matters
+
+
+@pytest.fixture(scope="module")
+def worker(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real ``tokenfleet worker --model smollm2`` (through the GGUF cache, as users start it)."""
+    log_path = tmp_path_factory.mktemp("logs") / "worker.log"
+    env = {
+        **os.environ,
+        "REDIS_URL": redis_server.url,
+        "TOKENFLEET_KEY_PREFIX": PREFIX,
+        "TOKENFLEET_MODEL_CACHE": str(MODEL_CACHE),
+    }
+    args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", "smollm2"]
+    args += ["--name", "real-1", "--threads", "1", "--dtype", "float32"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            r = redis.Redis.from_url(redis_server.url)
+            deadline = time.monotonic() + 180
+            while not r.exists(Keys(PREFIX).worker("real-1")):
+                assert proc.poll() is None, log_path.read_text()
+                assert time.monotonic() < deadline, "worker not ready:\n" + log_path.read_text()
+                time.sleep(0.05)
+            yield proc, log_path
+        finally:
+            proc.terminate()
+            proc.wait(60)
+
+
+def test_a_worker_returns_what_the_engine_returns(
+    worker: Any, redis_server: Any, engine: Engine, chat_prompts: list[list[int]]
+) -> None:
+    _proc, log_path = worker
+    cases = [
+        {"temperature": 0.0, "max_tokens": 48},
+        SEEDED,
+        {"temperature": 0.0, "max_tokens": 48, "stop": ["."]},
+    ]
+    settings = Settings(redis_url=redis_server.url, key_prefix=PREFIX)
+    client = Client(redis.Redis.from_url(redis_server.url), settings=settings)
+    try:
+        handles = [
+            client.submit(messages=CHATS[i], **case)
+            for i in range(len(CHATS))
+            for case in cases[i % len(cases) : i % len(cases) + 1]
+        ]
+        results = [h.result(timeout=300) for h in handles]
+    finally:
+        client.close()
+    params = [SamplingParams(**cases[i % len(cases)]) for i in range(len(CHATS))]
+    refs = engine.generate(chat_prompts, params)
+    for i, (got, ref) in enumerate(zip(results, refs, strict=True)):
+        assert got.token_ids == ref.token_ids, (i, got.text, ref.text)
+        assert got.text == ref.text
+        assert got.finish_reason == ref.finish_reason.value
+    assert "Paris" in results[0].text
+    log = log_path.read_text()
+    assert "134.5M parameters" in log and "KV cache" in log  # the startup line
