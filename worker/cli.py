@@ -24,7 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "tokenfleet.worker.commands.status",
     "tokenfleet.worker.commands.make_tiny_model",
     "tokenfleet.worker.commands.bench",
-    "tokenfleet.worker.commands.pool",
+    "tokenfleet.worker.pool.commands",
 )
 
 
