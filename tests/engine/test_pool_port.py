@@ -223,6 +223,27 @@ def test_preempt_for_pool_uses_spare_first_then_strictly_less_urgent_latest_firs
     assert {rid for rid, o in outs.items() if o[-1].finished} == {rid for rid, _ in specs}
 
 
+def test_ports_of_one_engine_agree_and_the_limits_live_in_the_engine(tok: Any) -> None:
+    engine = make_engine(tok, 64)
+    first, second = engine.pool_port(), engine.pool_port()
+    first.set_kv_block_limit(7)
+    first.set_token_limit(5)
+    assert (second.kv_block_limit, second.token_limit) == (7, 5)
+    assert engine.block_manager.block_limit == 7 and engine.scheduler.token_limit == 5
+    engine.add_request("r", prompt(0), GREEDY)
+    assert second.has_work and second.num_tokens_wanted == 6
+    engine.step()
+    assert second.last_step_stats is engine.last_step_stats
+    assert second.last_step_stats.num_tokens == 5  # the token limit capped the step
+    assert second.num_used_blocks == engine.block_manager.num_used_blocks == 2
+    assert second.num_kv_blocks == 64
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="token limit must be >= 1"):
+            second.set_token_limit(bad)
+    second.set_token_limit(None)
+    assert first.token_limit is None
+
+
 # -- a real model -------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_tight_limit_preempts_yet_greedy_output_matches_hf(tiny_llama_dir: Path) -> None:
