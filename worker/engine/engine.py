@@ -69,8 +69,9 @@ class Engine:
           abort or error), after which its id may be reused;
         * output token ``i`` of a request is reported once, with ``first_index`` counting from
           the resumed tokens, and its text pieces concatenate to the request's final text;
-        * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``
-          (single-threaded: call them from one thread).
+        * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``, and
+          between steps through its pool port (``pool_port()``: limits, a preemption order);
+          single-threaded: call them from one thread.
     """
 
     tokenizer: Any  # public: the worker applies chat templates with it
