@@ -52,8 +52,8 @@ def member_main(
     from tokenfleet.shared.priority import Priority
     from tokenfleet.worker.engine.engine import Engine, EngineConfig
     from tokenfleet.worker.engine.request import SamplingParams
-    from tokenfleet.worker.kv_pool import KVPoolMember
-    from tokenfleet.worker.pool_link import PoolLink
+    from tokenfleet.worker.pool.link import PoolLink
+    from tokenfleet.worker.pool.member import KVPoolMember
 
     os.sched_setaffinity(0, {args["core"]})
     torch.set_num_threads(1)
@@ -75,7 +75,7 @@ def member_main(
         member = KVPoolMember(
             client=client, keys=Keys("bench"), pool="dev", member=name, weight=weight
         )
-        link = PoolLink(engine, member)
+        link = PoolLink(engine.pool_port(), member)
         link.join(block_size=BLOCK_SIZE)
     prompt = "the shared device computes tokens for every member of the pool " * 2
     added = 0
@@ -171,10 +171,10 @@ def main() -> int:
     import redis
 
     from tokenfleet.shared.keys import Keys
-    from tokenfleet.shared.scripts.pool import PoolConfig
     from tokenfleet.worker.devtools.local_redis import RedisServer
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
-    from tokenfleet.worker.kv_pool import create_pool
+    from tokenfleet.worker.pool.admin import create_pool
+    from tokenfleet.worker.pool.config import PoolConfig
 
     pair = [("light", 1.0), ("heavy", 3.0)]
     with tempfile.TemporaryDirectory() as tmp, RedisServer() as server:

@@ -38,15 +38,13 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.scripts.pool import PoolConfig
 from tokenfleet.worker.devtools.local_redis import RedisServer
-from tokenfleet.worker.kv_pool import (
-    KVPoolMember,
-    PoolGrant,
-    PreemptAsk,
-    create_pool,
-    plan_blocks,
-)
+from tokenfleet.worker.pool.admin import create_pool
+from tokenfleet.worker.pool.chunking import plan_blocks
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.grant import PoolGrant
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.orders import PreemptAsk
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BLOCK_SIZE = 16

@@ -27,8 +27,9 @@ from typing import Any
 
 from tokenfleet.producer.commands import queues, submit
 from tokenfleet.shared.errors import TokenfleetError
-from tokenfleet.worker.commands import models, pool, status, worker
+from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
+from tokenfleet.worker.pool import commands as pool_commands
 
 # Order is the order shown by --help.
 COMMANDS: tuple[Callable[[Any], None], ...] = (
@@ -40,7 +41,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     status.register,
     make_tiny_model.register,
     bench.register,
-    pool.register,
+    pool_commands.register,
 )
 
 

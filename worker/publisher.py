@@ -30,7 +30,7 @@ from tokenfleet.shared.scripts.worker import APPEND_TOKENS, append_tokens_keys_a
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Job
 from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
-from tokenfleet.worker.pool_link import PoolCall
+from tokenfleet.worker.pool.link import PoolCall
 
 _OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
 

@@ -74,9 +74,9 @@ from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.worker import HANDBACK
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
-from tokenfleet.worker.kv_pool import KVPoolMember
 from tokenfleet.worker.metrics import WorkerMetrics
-from tokenfleet.worker.pool_link import PoolEngine, PoolLink
+from tokenfleet.worker.pool.link import PoolEngine, PoolLink
+from tokenfleet.worker.pool.member import KVPoolMember
 from tokenfleet.worker.publisher import Finish, PendingPublish, Publisher, StepResult
 from tokenfleet.worker.reader import Delivery, IntakeReader
 from tokenfleet.worker.recovery import Claimer, Heartbeat
@@ -159,7 +159,7 @@ class WorkerService:
                 member=name,
                 weight=wsettings.share_weight,
             )
-            self.pool = PoolLink(cast(PoolEngine, engine), member)
+            self.pool = PoolLink(cast(PoolEngine, engine).pool_port(), member)
         self._inflight: deque[PendingPublish] = deque()  # sent, replies not yet applied
         self._cancels: set[str] = set()
         self.stop_requested = False

@@ -17,7 +17,7 @@ from typing import Any
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import PRIORITIES, Priority
-from tokenfleet.shared.scripts.pool import weight_milli
+from tokenfleet.worker.pool.config import weight_milli
 
 # Environment variable -> (field name, parser name). Every name here is whitelisted in
 # tokenfleet.shared.settings._ENV_OWNED_ELSEWHERE so Settings.from_env does not reject it.

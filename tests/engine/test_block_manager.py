@@ -17,6 +17,7 @@ from hypothesis.stateful import (
 from tokenfleet.worker.engine.block_manager import (
     AllocStatus,
     BlockManager,
+    check_invariants,
     extend_block_hashes,
     hash_block,
 )
@@ -38,7 +39,7 @@ def test_can_allocate_now_later_never() -> None:
     assert bm.can_allocate(5) is AllocStatus.LATER
     bm.free("a")
     assert bm.can_allocate(16) is AllocStatus.NOW
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_append_takes_a_block_only_at_a_boundary() -> None:
@@ -53,7 +54,7 @@ def test_append_takes_a_block_only_at_a_boundary() -> None:
     assert not bm.can_append("a")
     with pytest.raises(ValueError, match="no free KV block"):
         bm.append("a")
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_allocation_prefers_contiguous_runs() -> None:
@@ -66,7 +67,7 @@ def test_allocation_prefers_contiguous_runs() -> None:
     bm.append("b")
     bm.append("b")  # b's next block: 2 is taken, so the lowest free id
     assert bm.block_table("b") == [1, 4]
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_prefix_blocks_are_shared_by_reference_count() -> None:
@@ -81,7 +82,7 @@ def test_prefix_blocks_are_shared_by_reference_count() -> None:
     assert bm.block_table("b")[:2] == bm.block_table("a")[:2]
     assert bm.block_table("b")[2] != bm.block_table("a")[2]
     assert [bm.ref_counts[b] for b in bm.block_table("a")] == [2, 2, 1]
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_full_hit_still_leaves_the_last_token_to_compute() -> None:
@@ -116,7 +117,7 @@ def test_freed_cached_blocks_are_reused_then_evicted_lru() -> None:
     bm.append("big")
     bm.append("big")  # the fourth block: the last cached one goes
     assert not bm.cached
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_hits_on_free_cached_blocks_count_against_the_free_pool() -> None:
@@ -143,7 +144,7 @@ def test_duplicate_content_stays_private() -> None:
     bm.cache_blocks("b", h, 3)
     assert bm.cached[h[0]] == bm.block_table("a")[0]
     assert bm.block_hash[bm.block_table("b")[0]] is None
-    bm.check_invariants()
+    check_invariants(bm)
 
 
 def test_hash_chain_depends_on_the_parent() -> None:
@@ -274,7 +275,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def invariants_hold(self) -> None:
-        self.bm.check_invariants()
+        check_invariants(self.bm)
         for sid, table in self.tables.items():
             assert self.bm.block_table(sid)[: len(table)] == table
 

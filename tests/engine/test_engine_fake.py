@@ -16,6 +16,7 @@ import torch
 
 from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.engine.batch import StepBatch
+from tokenfleet.worker.engine.block_manager import check_invariants
 from tokenfleet.worker.engine.engine import Engine, EngineConfig, RequestOutput
 from tokenfleet.worker.engine.request import FinishReason, SamplingParams
 
@@ -125,7 +126,7 @@ def test_outputs_match_the_reference_under_chunking_and_preemption(
             outs.setdefault(out.request_id, []).append(out)
         preemptions += engine.last_step_stats.num_preemptions
         hits += engine.last_step_stats.num_prefix_cache_hit_tokens
-        engine.block_manager.check_invariants()
+        check_invariants(engine.block_manager)
     for i, prompt in enumerate(prompts):
         got = outs[f"r{i}"]
         assert tokens_of(got) == reference(prompt, params[i].max_tokens, len(tok)), i

@@ -7,7 +7,9 @@ import itertools
 import pytest
 
 from tokenfleet.shared.priority import Priority
-from tokenfleet.worker.engine.block_manager import BlockManager
+from tokenfleet.worker.engine.block_manager import BlockManager, check_invariants
+from tokenfleet.worker.engine.outputs import StepStats
+from tokenfleet.worker.engine.pool_port import PoolPort
 from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from tokenfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -70,15 +72,21 @@ def step(sched: Scheduler) -> SchedulerOutput:
 
 
 def check(sched: Scheduler) -> None:
-    sched.block_manager.check_invariants()
+    check_invariants(sched.block_manager)
     assert len(sched.running) <= sched.config.max_num_seqs
     for req in sched.running:
         assert req.status is RequestStatus.RUNNING
-        assert sched.block_manager.has_seq(req.request_id)
+        assert req.request_id in sched.block_manager
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert not sched.block_manager.has_seq(req.request_id)
+        assert req.request_id not in sched.block_manager
         assert req.num_computed_tokens == 0
+
+
+class NoSteps:
+    """The stats source of a scheduler driven without an engine."""
+
+    last_step_stats = StepStats()
 
 
 def scheduled_ids(out: SchedulerOutput) -> list[str]:
@@ -113,15 +121,16 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
 def test_a_token_limit_caps_each_step_and_decodes_the_most_urgent_first() -> None:
     """A pool's compute share lowers the per-step budget; work still progresses (at least 1)."""
     sched = make_scheduler(max_num_batched_tokens=64)
+    port = PoolPort(sched, NoSteps())  # what the pool reads: the tokens wanted
     sched.add(make_request("batch", 6, priority=Priority.BATCH))
     sched.add(make_request("critical", 6, priority=Priority.CRITICAL))
-    assert sched.num_tokens_wanted() == 12
+    assert port.num_tokens_wanted == 12
     step(sched)
-    assert sched.num_tokens_wanted() == 2  # one decode token each
+    assert port.num_tokens_wanted == 2  # one decode token each
     sched.add(make_request("long", 100, priority=Priority.NORMAL))
-    assert sched.num_tokens_wanted() == 64  # 2 + 100, at most the step's budget
+    assert port.num_tokens_wanted == 64  # 2 + 100, at most the step's budget
     sched.token_limit = 1
-    assert sched.num_tokens_wanted() == 64  # what it would compute without the cap
+    assert port.num_tokens_wanted == 64  # what it would compute without the cap
     out = step(sched)
     assert scheduled_ids(out) == ["critical"] and out.batch.num_tokens == 1
     sched.token_limit = 10

@@ -16,16 +16,17 @@ from typing import Any
 import pytest
 import redis
 import torch
-from fake_engine import FakeEngine, FakeTime
+from fake_port import FakePort, FakeTime
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.scripts.pool import PoolConfig
-from tokenfleet.worker.compute_share import ComputeShare
 from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.request import SamplingParams
-from tokenfleet.worker.kv_pool import KVPoolMember, create_pool, pool_snapshot
-from tokenfleet.worker.pool_link import PoolLink
+from tokenfleet.worker.pool.admin import create_pool, pool_snapshot
+from tokenfleet.worker.pool.compute_share import ComputeShare
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.link import PoolLink
+from tokenfleet.worker.pool.member import KVPoolMember
 
 
 def share(budget: int = 100, round_ms: int = 100) -> tuple[ComputeShare, FakeTime]:
@@ -90,10 +91,10 @@ def test_demand_is_the_whole_budget_with_work_and_none_without() -> None:
 def test_link_reports_demand_and_caps_the_engine_by_its_share(r: redis.Redis, keys: Keys) -> None:
     create_pool(r, keys, "p", PoolConfig(total_blocks=40, chunk_blocks=4, token_budget=120))
     t = FakeTime()
-    engines: dict[str, FakeEngine] = {}
+    engines: dict[str, FakePort] = {}
     links: dict[str, PoolLink] = {}
     for name, weight in (("a", 1.0), ("b", 2.0)):
-        engine = engines[name] = FakeEngine()
+        engine = engines[name] = FakePort()
         member = KVPoolMember(client=r, keys=keys, pool="p", member=name, weight=weight)
         links[name] = PoolLink(engine, member, clock=t, sleep=t.sleep)
         links[name].join()
@@ -121,7 +122,7 @@ def test_link_reports_demand_and_caps_the_engine_by_its_share(r: redis.Redis, ke
 def test_no_token_budget_no_pacing(r: redis.Redis, keys: Keys) -> None:
     create_pool(r, keys, "p", PoolConfig(total_blocks=40, chunk_blocks=4))
     t = FakeTime()
-    engine = FakeEngine()
+    engine = FakePort()
     link = PoolLink(engine, KVPoolMember(client=r, keys=keys, pool="p", member="a"), clock=t)
     link.join()
     engine.has_work, engine.num_tokens_wanted = True, 500
@@ -179,7 +180,7 @@ def co_located_run(
         t = FakeTime()
         engine = Engine.from_runner(loaded.runner, loaded.tokenizer, loaded.config)
         member = KVPoolMember(client=r, keys=keys, pool="p", member=name, weight=weight)
-        link = PoolLink(engine, member, clock=t, sleep=t.sleep)
+        link = PoolLink(engine.pool_port(), member, clock=t, sleep=t.sleep)
         link.join(block_size=4)
         for i in range(32):
             text = f"{name} request {i}: tokens for the shared device"
@@ -188,7 +189,7 @@ def co_located_run(
     computed = {name: 0 for name, *_ in members}
     device_free = 0.0
     for _ in range(10_000):
-        if not all(engine.has_work for _, engine, _, _ in members):
+        if not all(link.port.has_work for _, _, link, _ in members):
             break
         name, engine, link, t = min(members, key=lambda m: m[3].now)
         before = t.now

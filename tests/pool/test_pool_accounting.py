@@ -15,15 +15,11 @@ from pool_model import expected_entitlements
 from tokenfleet.shared.errors import InvalidRequest, PoolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.scripts.pool import PoolConfig
-from tokenfleet.worker.kv_pool import (
-    KVPoolMember,
-    PoolGrant,
-    PreemptAsk,
-    advance_manual_clock,
-    create_pool,
-    pool_snapshot,
-)
+from tokenfleet.worker.pool.admin import advance_manual_clock, create_pool, pool_snapshot
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.grant import PoolGrant
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.orders import PreemptAsk
 
 BATCH = [0, 0]  # prefix of blocks_by_priority: nothing critical or normal
 

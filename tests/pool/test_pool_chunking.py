@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.worker.kv_pool import BlockPlan, plan_blocks
+from tokenfleet.worker.pool.chunking import BlockPlan, plan_blocks
 
 
 @settings(max_examples=300, deadline=None)

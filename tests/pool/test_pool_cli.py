@@ -9,8 +9,9 @@ import redis
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.cli import main
-from tokenfleet.worker.commands.pool import pool_snapshot
-from tokenfleet.worker.kv_pool import KVPoolMember, PreemptAsk
+from tokenfleet.worker.pool.admin import pool_snapshot
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.orders import PreemptAsk
 
 PREFIX = Keys()  # the CLI uses the environment's prefix: the default
 

@@ -15,17 +15,18 @@ from typing import Any
 import pytest
 import redis
 import torch
-from fake_engine import FakeEngine, FakeTime
+from fake_port import FakePort, FakeTime
 
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.scripts.pool import PoolConfig
 from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.request import SamplingParams
-from tokenfleet.worker.kv_pool import KVPoolMember, advance_manual_clock, create_pool, pool_snapshot
 from tokenfleet.worker.pipelined import ScriptPipeline
-from tokenfleet.worker.pool_link import PoolLink
+from tokenfleet.worker.pool.admin import advance_manual_clock, create_pool, pool_snapshot
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.link import PoolLink, PoolPortLike
+from tokenfleet.worker.pool.member import KVPoolMember
 
 TOTAL = 24  # pool blocks of 4 tokens
 BATCH = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -75,7 +76,8 @@ class Worker:
 
 def make_worker(r: redis.Redis, keys: Keys, name: str, engine: Engine) -> Worker:
     member = KVPoolMember(client=r, keys=keys, pool="p", member=name)
-    link = PoolLink(engine, member)
+    port: PoolPortLike = engine.pool_port()  # the real engine's port has the surface the link needs
+    link = PoolLink(port, member)
     link.join(block_size=engine.block_manager.block_size)
     return Worker(name, engine, link)
 
@@ -85,7 +87,7 @@ def check_invariants(r: redis.Redis, keys: Keys, *workers: Worker) -> dict[str, 
     held = {m["name"]: m["held"] for m in view["members"]}
     assert sum(held.values()) <= view["total"]
     for w in workers:
-        assert w.engine.num_used_blocks <= held.get(w.name, 0), (w.name, held)
+        assert w.link.port.num_used_blocks <= held.get(w.name, 0), (w.name, held)
         assert w.link.limit <= held.get(w.name, 0)
     return held
 
@@ -126,7 +128,7 @@ def test_critical_requests_get_blocks_from_a_flooded_member(
         if held["a"] >= TOTAL - 2:
             break
     assert held["a"] >= TOTAL - 2 and held["b"] == 0
-    assert a.engine.has_work and not a.finished
+    assert a.link.port.has_work and not a.finished
 
     critical = {f"c{i}": prompt(b.engine, 100 + i) for i in range(2)}
     for rid, p in critical.items():
@@ -149,10 +151,10 @@ def test_critical_requests_get_blocks_from_a_flooded_member(
         check_invariants(r, keys, a, b)
         if done is None and set(critical) <= b.finished:
             done = rnd
-            assert a.engine.has_work, "the batch flood should still be running"
-        if not a.engine.has_work and not b.engine.has_work:
+            assert a.link.port.has_work, "the batch flood should still be running"
+        if not a.link.port.has_work and not b.link.port.has_work:
             break
-        if not b.engine.has_work:
+        if not b.link.port.has_work:
             b.link.idle_tick()
 
     assert first_ask == 0, "B, holding nothing, asks at its first step"
@@ -179,8 +181,8 @@ def test_critical_requests_get_blocks_from_a_flooded_member(
     assert pool_snapshot(r, keys, "p")["held"] == 0
 
 
-def fake_link(r: redis.Redis, keys: Keys, name: str, **kwargs: Any) -> tuple[PoolLink, FakeEngine]:
-    engine = FakeEngine()
+def fake_link(r: redis.Redis, keys: Keys, name: str, **kwargs: Any) -> tuple[PoolLink, FakePort]:
+    engine = FakePort()
     link = PoolLink(engine, KVPoolMember(client=r, keys=keys, pool="p", member=name), **kwargs)
     link.join()
     return link, engine
@@ -188,7 +190,7 @@ def fake_link(r: redis.Redis, keys: Keys, name: str, **kwargs: Any) -> tuple[Poo
 
 def test_join_checks_block_size_and_starts_at_limit_zero(r: redis.Redis, keys: Keys) -> None:
     create_pool(r, keys, "p", PoolConfig(total_blocks=40, block_size=16, chunk_blocks=4))
-    engine = FakeEngine()
+    engine = FakePort()
     link = PoolLink(engine, KVPoolMember(client=r, keys=keys, pool="p", member="a"))
     with pytest.raises(PoolError, match="blocks of 16 tokens; this engine's are 8"):
         link.join(block_size=8)

@@ -37,16 +37,11 @@ from pool_model import expected_donor, expected_entitlements
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.scripts.pool import PoolConfig
-from tokenfleet.worker.kv_pool import (
-    KVPoolMember,
-    PoolGrant,
-    PreemptAsk,
-    PreemptOrder,
-    advance_manual_clock,
-    create_pool,
-    pool_snapshot,
-)
+from tokenfleet.worker.pool.admin import advance_manual_clock, create_pool, pool_snapshot
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.grant import PoolGrant
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.orders import PreemptAsk, PreemptOrder
 
 KEYS = Keys("tfp")
 NAMES = ("m0", "m1", "m2", "m3", "m4", "m5")

@@ -22,9 +22,9 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
-from tokenfleet.shared.scripts.pool import PoolConfig
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.kv_pool import create_pool, pool_snapshot
+from tokenfleet.worker.pool.admin import create_pool, pool_snapshot
+from tokenfleet.worker.pool.config import PoolConfig
 
 PREFIX = "tfpool"
 DEADLINE_S = 240.0  # failure guard only: every wait below polls for a state

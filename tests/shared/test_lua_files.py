@@ -28,9 +28,6 @@ PACKAGE_FOLDERS = {
     "producer": "tokenfleet.producer",
     "worker": "tokenfleet.worker",
 }
-# Python modules that still keep their Lua in strings. shared/scripts/pool.py: removed when the
-# pool wing lands (the pool scripts move to .lua files there).
-PYTHON_WITH_LUA_PENDING_POOL_WING = frozenset({"shared/scripts/pool.py"})
 # Names a script may use as keys although they are built inside it, per script file. enqueue.lua
 # ends *waiting* requests it picks itself from the stream (drop-oldest eviction, reclaim past a
 # deadline), so no caller can pass their keys (docs/protocol.md, "Keys in scripts").
@@ -310,7 +307,7 @@ def test_no_python_module_holds_lua() -> None:
         for p in (ROOT / folder).rglob("*.py")
         if re.search(r"redis\.p?call\(", p.read_text())
     }
-    assert offenders <= PYTHON_WITH_LUA_PENDING_POOL_WING
+    assert offenders == set()
 
 
 def test_the_known_exceptions_are_still_needed() -> None:
@@ -318,9 +315,6 @@ def test_the_known_exceptions_are_still_needed() -> None:
         (path,) = [p for p in scripts() if p.name == name]
         assert key_violations(read_lua(package_of(path), name)) != [], name
         assert all(n in strip_comments(path.read_text()) for n in allowed), name
-    for rel in PYTHON_WITH_LUA_PENDING_POOL_WING:
-        if (ROOT / rel).exists():
-            assert "redis.call(" in (ROOT / rel).read_text(), rel
 
 
 # -- the key check itself -----------------------------------------------------------------------

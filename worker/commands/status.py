@@ -86,7 +86,7 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
 def _pools(client: Any, keys: Any) -> list[dict[str, Any]]:
     """Every shared KV pool's snapshot (members, weights, held, entitlement, preemptions)."""
     from tokenfleet.shared.errors import PoolError
-    from tokenfleet.worker.kv_pool import pool_names, pool_snapshot
+    from tokenfleet.worker.pool.admin import pool_names, pool_snapshot
 
     views = []
     for name in pool_names(client, keys):
@@ -126,7 +126,7 @@ def render(snap: dict[str, Any]) -> str:
                 f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
             )
     if snap["pools"]:
-        from tokenfleet.worker.commands.pool import format_pool
+        from tokenfleet.worker.pool.commands import format_pool
 
         lines.append(f"KV pools: {len(snap['pools'])}")
         lines.extend(format_pool(view) for view in snap["pools"])

@@ -51,7 +51,7 @@ class BlockManager:
           freed first;
         * free and clean: ``ref_count == 0``, no hash.
 
-    Invariants (checked by ``check_invariants`` and a hypothesis state machine):
+    Invariants (checked by :func:`check_invariants` and a hypothesis state machine):
         * no block is both free and referenced; free-clean and free-cached are disjoint;
         * ``ref_count[b]`` equals the number of block-table entries equal to ``b``;
         * a block has a hash iff the cache maps that hash to it (one block per hash);
@@ -62,7 +62,8 @@ class BlockManager:
     Allocations and appends never take the in-use count above it; lowering it below the in-use
     count frees nothing (the scheduler preempts). Free cached blocks do not count as in use: they
     are evictable, and reviving one by a prefix-cache hit counts against the limit like any
-    other block taken from the free pool. ``None`` means no limit (the whole pool).
+    other block taken from the free pool. ``None`` means no limit (the whole pool). The blocks in
+    use are over the limit when ``num_used_blocks > block_limit``.
 
     Allocation prefers contiguous runs: a sequence's next block is the one after its last block
     when that is free and clean, otherwise the lowest free clean id, otherwise the least recently
@@ -116,16 +117,12 @@ class BlockManager:
             raise ValueError(f"block limit must be an integer >= 0 or None, got {num_blocks!r}")
         self.block_limit = num_blocks
 
-    @property
-    def over_limit(self) -> bool:
-        """More blocks in use than ``block_limit`` allows (it was lowered below use)."""
-        return self.block_limit is not None and self.num_used_blocks > self.block_limit
-
     def block_table(self, seq_id: str) -> list[int]:
         """The sequence's block table (the live list: callers must not modify it)."""
         return self._tables[seq_id]
 
-    def has_seq(self, seq_id: str) -> bool:
+    def __contains__(self, seq_id: str) -> bool:
+        """``seq_id in block_manager``: the sequence has a block table."""
         return seq_id in self._tables
 
     def num_slots(self, seq_id: str) -> int:
@@ -282,30 +279,32 @@ class BlockManager:
             del self.cached[h]
             self.block_hash[block] = None
 
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` naming the first broken invariant (tests and debugging)."""
-        counts = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            for block in table:
-                counts[block] += 1
-            if num_blocks_for(self._num_slots[seq_id], self.block_size) != len(table):
-                raise AssertionError(f"{seq_id}: table length does not match its slots")
-        if counts != self.ref_counts:
-            raise AssertionError("ref counts differ from block-table references")
-        if self._free_clean & set(self._free_cached):
-            raise AssertionError("a block is both free-clean and free-cached")
-        for block in range(self.num_blocks):
-            is_free = block in self._free_clean or block in self._free_cached
-            if is_free == (self.ref_counts[block] > 0):
-                raise AssertionError(f"block {block} is free={is_free} with refs")
-            if block in self._free_clean and self.block_hash[block] is not None:
-                raise AssertionError(f"free-clean block {block} has a hash")
-            if block in self._free_cached and self.block_hash[block] is None:
-                raise AssertionError(f"free-cached block {block} has no hash")
-            h = self.block_hash[block]
-            if h is not None and self.cached.get(h) != block:
-                raise AssertionError(f"block {block}'s hash does not map back to it")
-        if len(self.cached) != sum(h is not None for h in self.block_hash):
-            raise AssertionError("cache maps hashes to blocks that do not hold them")
-        if not self._free_clean <= set(self._free_heap):
-            raise AssertionError("a free-clean block is missing from the free heap")
+
+def check_invariants(bm: BlockManager) -> None:
+    """Raise ``AssertionError`` naming the first broken invariant of ``bm`` (the ones its class
+    docstring states; for tests and debugging, so not part of the block manager's API)."""
+    counts = [0] * bm.num_blocks
+    for seq_id, table in bm._tables.items():
+        for block in table:
+            counts[block] += 1
+        if num_blocks_for(bm._num_slots[seq_id], bm.block_size) != len(table):
+            raise AssertionError(f"{seq_id}: table length does not match its slots")
+    if counts != bm.ref_counts:
+        raise AssertionError("ref counts differ from block-table references")
+    if bm._free_clean & set(bm._free_cached):
+        raise AssertionError("a block is both free-clean and free-cached")
+    for block in range(bm.num_blocks):
+        is_free = block in bm._free_clean or block in bm._free_cached
+        if is_free == (bm.ref_counts[block] > 0):
+            raise AssertionError(f"block {block} is free={is_free} with refs")
+        if block in bm._free_clean and bm.block_hash[block] is not None:
+            raise AssertionError(f"free-clean block {block} has a hash")
+        if block in bm._free_cached and bm.block_hash[block] is None:
+            raise AssertionError(f"free-cached block {block} has no hash")
+        h = bm.block_hash[block]
+        if h is not None and bm.cached.get(h) != block:
+            raise AssertionError(f"block {block}'s hash does not map back to it")
+    if len(bm.cached) != sum(h is not None for h in bm.block_hash):
+        raise AssertionError("cache maps hashes to blocks that do not hold them")
+    if not bm._free_clean <= set(bm._free_heap):
+        raise AssertionError("a free-clean block is missing from the free heap")

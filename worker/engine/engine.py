@@ -11,7 +11,6 @@ import itertools
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,16 +18,25 @@ import torch
 from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.engine.batch import StepBatch
 from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
+from tokenfleet.worker.engine.config import EngineConfig, with_overrides
 from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
 from tokenfleet.worker.engine.outputs import (
     CompletionOutput,
     EngineCapacity,
     RequestOutput,
     StepStats,
+    step_stats,
 )
-from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus, SamplingParams
+from tokenfleet.worker.engine.pool_port import PoolPort
+from tokenfleet.worker.engine.request import (
+    FinishReason,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    checked_token_ids,
+)
 from tokenfleet.worker.engine.sampler import Sampler
-from tokenfleet.worker.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from tokenfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
 
 __all__ = [
     "CompletionOutput",
@@ -38,44 +46,6 @@ __all__ = [
     "RequestOutput",
     "StepStats",
 ]
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """Engine settings. ``None`` means "derive it": the KV pool from the device's free memory (the
-    model runner decides), ``max_model_len`` from the model config capped by the pool."""
-
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV pool size in blocks ...
-    kv_memory_bytes: int | None = None  # ... or in bytes (give at most one of the two)
-    max_num_seqs: int = 32  # running requests at most
-    max_num_batched_tokens: int = 512  # tokens computed per step at most (chunked prefill)
-    max_model_len: int | None = None  # prompt + output tokens per request at most
-    enable_prefix_caching: bool = True
-    max_wait_steps: int | None = None  # anti-starvation: boost after this many waiting steps
-    max_wait_s: float | None = 30.0  # anti-starvation: boost after this many waiting seconds
-    device: str | None = None  # None: cuda if available, else cpu
-    dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
-    seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
-        if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
-            raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        # the scheduler's own checks, raised now rather than at model load
-        SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_wait_steps=self.max_wait_steps,
-            max_wait_s=self.max_wait_s,
-        )
 
 
 class ModelRunnerLike(Protocol):
@@ -99,8 +69,9 @@ class Engine:
           abort or error), after which its id may be reused;
         * output token ``i`` of a request is reported once, with ``first_index`` counting from
           the resumed tokens, and its text pieces concatenate to the request's final text;
-        * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``
-          (single-threaded: call them from one thread).
+        * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``, and
+          between steps through its pool port (``pool_port()``: limits, a preemption order);
+          single-threaded: call them from one thread.
     """
 
     tokenizer: Any  # public: the worker applies chat templates with it
@@ -111,7 +82,7 @@ class Engine:
         config: EngineConfig | None = None,
         **overrides: Any,
     ) -> None:
-        config = _with_overrides(config or EngineConfig(), overrides)
+        config = with_overrides(config or EngineConfig(), overrides)
         from transformers import AutoTokenizer
 
         from tokenfleet.worker.engine.model_runner import ModelRunner
@@ -153,16 +124,7 @@ class Engine:
             runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                max_wait_steps=config.max_wait_steps,
-                max_wait_s=config.max_wait_s,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
         self.sampler = Sampler(device=runner.device, seed=config.seed)
         self.eos_token_ids = frozenset(runner.eos_token_ids)
         self.last_step_stats = StepStats()
@@ -198,10 +160,12 @@ class Engine:
         if isinstance(prompt, str):
             prompt_ids = list(self.tokenizer.encode(prompt))
         else:
-            prompt_ids = self._checked_ids(prompt, "prompt")
+            prompt_ids = checked_token_ids(prompt, self.runner.vocab_size, "prompt")
         if not prompt_ids:
             raise ValueError("prompt is empty: at least one token is needed")
-        resume_ids = self._checked_ids(resume_output_ids, "resume_output_ids")
+        resume_ids = checked_token_ids(
+            resume_output_ids, self.runner.vocab_size, "resume_output_ids"
+        )
         req = Request(
             request_id,
             prompt_ids,
@@ -256,74 +220,10 @@ class Engine:
             block_size=block_size,
         )
 
-    # ------------------------------------------------------------------- shared KV pool
-    # The per-step contract of docs/kv_pools.md; ``tokenfleet.worker.pool_link`` drives it.
-
-    def set_kv_block_limit(self, num_blocks: int | None) -> None:
-        """Admit and grow requests only while the blocks in use stay within ``num_blocks``
-        (None: the whole cache). Lowered below the blocks in use, the next ``step()`` preempts
-        (recompute) the lowest-priority, latest-arrived running requests until within. Free
-        prefix-cached blocks are not in use; reviving one counts like taking a free block."""
-        self.block_manager.set_block_limit(num_blocks)
-
-    @property
-    def kv_block_limit(self) -> int | None:
-        return self.block_manager.block_limit
-
-    @property
-    def num_kv_blocks(self) -> int:
-        """The engine's own KV cache, in blocks (a limit above it cannot be used)."""
-        return self.block_manager.num_blocks
-
-    @property
-    def num_used_blocks(self) -> int:
-        """KV blocks referenced by running requests (free cached blocks excluded)."""
-        return self.block_manager.num_used_blocks
-
-    @property
-    def num_blocks_wanted(self) -> int:
-        """More blocks the next step would take: running requests' growth plus the head waiting
-        request's blocks (when a sequence slot is free)."""
-        return self.scheduler.num_blocks_wanted()
-
-    def set_token_limit(self, num_tokens: int | None) -> None:
-        """Compute at most ``num_tokens`` tokens per step (at least 1; None: only
-        ``max_num_batched_tokens``): a pool's compute share. Decode goes most urgent first."""
-        if num_tokens is not None and num_tokens < 1:
-            raise ValueError(f"token limit must be >= 1 or None, got {num_tokens}")
-        self.scheduler.token_limit = num_tokens
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.scheduler.token_limit
-
-    @property
-    def num_tokens_wanted(self) -> int:
-        """Tokens the next step would compute without a token limit (at most
-        ``max_num_batched_tokens``)."""
-        return self.scheduler.num_tokens_wanted()
-
-    def blocks_by_priority(self) -> list[int]:
-        """Blocks in use by running requests per priority, most urgent first (shared blocks
-        count once, for the most urgent user)."""
-        return self.scheduler.blocks_by_priority()
-
-    def kv_block_shortfall(self) -> tuple[Priority, int] | None:
-        """(priority, blocks lacking) of the head waiting request when only the block limit keeps
-        it out, else None: the pool ask."""
-        return self.scheduler.kv_block_shortfall()
-
-    def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
-        """Free up to ``num_blocks`` for the pool now: spare blocks under the limit first, then
-        by preempting (recompute) running requests strictly less urgent than ``priority``, least
-        urgent and latest first. Returns the blocks freed; the caller lowers the limit by them.
-        Preemptions are counted in the next step's stats."""
-        return self.scheduler.preempt_for_pool(num_blocks, Priority(priority))
-
-    @property
-    def has_work(self) -> bool:
-        """Running or waiting requests (an engine without them is idle for the pool)."""
-        return self.scheduler.has_unfinished()
+    def pool_port(self) -> PoolPort:
+        """This engine's one pool-facing object, which ``tokenfleet.worker.pool.link.PoolLink``
+        drives (docs/kv_pools.md). It holds no state of its own: any number of them agree."""
+        return PoolPort(self.scheduler, self)
 
     # -------------------------------------------------------------------------------- step
 
@@ -333,7 +233,9 @@ class Engine:
         scheduled = self.scheduler.schedule()
         logits = self.runner.execute(scheduled.batch) if scheduled.batch.seqs else None
         outputs = self._postprocess(scheduled, logits)
-        self._record_stats(scheduled, outputs, time.perf_counter() - start)
+        self.last_step_stats = step_stats(
+            self.scheduler, scheduled, outputs, time.perf_counter() - start
+        )
         return outputs
 
     def _postprocess(
@@ -419,40 +321,7 @@ class Engine:
             timings=dataclasses.replace(req.timings) if finished else None,
         )
 
-    def _record_stats(
-        self, scheduled: SchedulerOutput, outputs: list[RequestOutput], duration_s: float
-    ) -> None:
-        seqs = scheduled.batch.seqs
-        num_decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.start_pos > 0)
-        bm = self.block_manager
-        self.last_step_stats = StepStats(
-            step_index=self.scheduler.step_index,
-            num_seqs=len(seqs),
-            num_decode_seqs=num_decode,
-            num_prefill_seqs=len(seqs) - num_decode,
-            num_tokens=scheduled.batch.num_tokens,
-            num_output_tokens=sum(len(o.new_token_ids) for o in outputs),
-            num_kv_blocks_used=bm.num_used_blocks,
-            num_kv_blocks_free=bm.num_free_blocks,
-            num_prefix_cache_hit_tokens=scheduled.num_cached_tokens,
-            num_preemptions=scheduled.num_preemptions,
-            num_finished=sum(1 for o in outputs if o.finished),
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            duration_s=duration_s,
-        )
-
-    # ---------------------------------------------------------------------------- helpers
-
-    def _checked_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
-        ids = [int(t) for t in token_ids]
-        vocab_size = self.runner.vocab_size
-        for t in ids:
-            if not 0 <= t < vocab_size:
-                raise ValueError(
-                    f"{what} has token id {t}, outside the vocabulary [0, {vocab_size})"
-                )
-        return ids
+    # ---------------------------------------------------------------------------- offline
 
     def generate(
         self,
@@ -484,11 +353,3 @@ class Engine:
                     res.error_code, res.error_message = out.error_code, out.error_message
                     res.timings = out.timings
         return [results[rid] for rid in ids]
-
-
-def _with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
-    return dataclasses.replace(config, **overrides) if overrides else config

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenfleet.worker.engine.request import FinishReason, RequestTimings
+
+if TYPE_CHECKING:
+    from tokenfleet.worker.engine.scheduler import Scheduler, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -64,6 +68,35 @@ class StepStats:
     num_waiting: int = 0  # after the step
     num_running: int = 0  # after the step
     duration_s: float = 0.0  # schedule + model + postprocess
+
+
+def step_stats(
+    scheduler: Scheduler,
+    scheduled: SchedulerOutput,
+    outputs: list[RequestOutput],
+    duration_s: float,
+) -> StepStats:
+    """The stats of the step ``scheduler`` just scheduled as ``scheduled`` and that produced
+    ``outputs`` in ``duration_s`` seconds (queues and blocks as they are after it)."""
+    seqs = scheduled.batch.seqs
+    num_decode = sum(1 for s in seqs if len(s.token_ids) == 1 and s.start_pos > 0)
+    bm = scheduler.block_manager
+    return StepStats(
+        step_index=scheduler.step_index,
+        num_seqs=len(seqs),
+        num_decode_seqs=num_decode,
+        num_prefill_seqs=len(seqs) - num_decode,
+        num_tokens=scheduled.batch.num_tokens,
+        num_output_tokens=sum(len(o.new_token_ids) for o in outputs),
+        num_kv_blocks_used=bm.num_used_blocks,
+        num_kv_blocks_free=bm.num_free_blocks,
+        num_prefix_cache_hit_tokens=scheduled.num_cached_tokens,
+        num_preemptions=scheduled.num_preemptions,
+        num_finished=sum(1 for o in outputs if o.finished),
+        num_waiting=len(scheduler.waiting),
+        num_running=len(scheduler.running),
+        duration_s=duration_s,
+    )
 
 
 @dataclass(slots=True)

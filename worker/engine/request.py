@@ -218,3 +218,13 @@ class Request:
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, priority={self.priority.label})"
         )
+
+
+def checked_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> list[int]:
+    """``token_ids`` as a list of ints; ``ValueError`` naming ``what`` for an id outside the
+    vocabulary ``[0, vocab_size)``."""
+    ids = [int(t) for t in token_ids]
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what} has token id {t}, outside the vocabulary [0, {vocab_size})")
+    return ids

@@ -19,11 +19,10 @@ starving requests never preempt each other back and forth.
 
 Shared KV pool (issue 6): the block manager's ``block_limit`` is the member's grant. Admission and
 growth stay within it; when it was lowered below the blocks in use, the next ``schedule`` first
-preempts the least urgent running requests until within. ``preempt_for_pool`` executes a pool's
-preemption order between steps; ``num_blocks_wanted``, ``blocks_by_priority`` and
-``kv_block_shortfall`` are what the pool's per-step call reports. With a compute share, the
-pool also caps the tokens of each step (``token_limit``, at least 1 so work always progresses);
-``num_tokens_wanted`` is what the step would compute without that cap.
+preempts the least urgent running requests until within. With a compute share, the pool also caps
+the tokens of each step (``token_limit``, at least 1 so work always progresses). What the pool
+reads and sets goes through ``pool_port.PoolPort``; a pool's preemption order comes back here as
+``preempt`` between steps.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
 from tokenfleet.worker.engine.block_manager import (
     AllocStatus,
@@ -104,7 +102,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_index = 0  # number of schedule() calls so far
-        self._num_pool_preemptions = 0  # by preempt_for_pool since the last schedule()
+        self._num_preempted_between_steps = 0  # by preempt() since the last schedule()
         self.token_limit: int | None = None  # a compute share's per-step cap (None: none)
 
     # ------------------------------------------------------------------------------- queues
@@ -155,18 +153,25 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         self._mark_finished(req, reason)
 
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request between steps (a shared KV pool's order): free its blocks
+        and queue it again (recompute); the next ``schedule`` counts it in ``num_preemptions``."""
+        self._requeue_preempted(req)
+        self._num_preempted_between_steps += 1
+
     # ----------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step: decode tokens, then prefill chunks, then admissions."""
         self.step_index += 1
-        out = SchedulerOutput(num_preemptions=self._num_pool_preemptions)
-        self._num_pool_preemptions = 0
+        out = SchedulerOutput(num_preemptions=self._num_preempted_between_steps)
+        self._num_preempted_between_steps = 0
         decode: dict[str, ScheduledSeq] = {}
         prefill: dict[str, ScheduledSeq] = {}
         self._boost_starving()
         # 0. a lowered block limit: preempt the least urgent until within it
-        while self.block_manager.over_limit and self.running:
+        bm, limit = self.block_manager, self.block_manager.block_limit
+        while limit is not None and bm.num_used_blocks > limit and self.running:
             self._preempt(self.running[-1], out)
         budget = self.config.max_num_batched_tokens
         if self.token_limit is not None:
@@ -279,11 +284,7 @@ class Scheduler:
         *scheduled: dict[str, ScheduledSeq],
     ) -> int:
         """Free a running request's blocks and queue it again. Returns tokens unscheduled."""
-        self.running.remove(req)
-        self.block_manager.free(req.request_id)
-        req.num_computed_tokens = 0
-        req.num_cached_tokens = 0
-        self._enqueue(req, RequestStatus.PREEMPTED)
+        self._requeue_preempted(req)
         out.num_preemptions += 1
         refund = 0
         for chunks in scheduled:
@@ -291,6 +292,13 @@ class Scheduler:
             if seq is not None:
                 refund += len(seq.token_ids)
         return refund
+
+    def _requeue_preempted(self, req: Request) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_cached_tokens = 0
+        self._enqueue(req, RequestStatus.PREEMPTED)
 
     def _enqueue(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -335,93 +343,6 @@ class Scheduler:
         if num_needed > bm.num_allocatable_blocks + len(reclaimable):
             return None
         return victims[-1]
-
-    # ------------------------------------------------------------------- shared KV pool
-
-    def num_blocks_wanted(self) -> int:
-        """Blocks the next step would take: growth of running requests to cover their known
-        tokens, plus the head waiting request's blocks when a sequence slot is free."""
-        bm = self.block_manager
-        num = sum(
-            max(
-                0, num_blocks_for(r.num_tokens, self.block_size) - len(bm.block_table(r.request_id))
-            )
-            for r in self.running
-        )
-        head = self._admissible_head()
-        if head is not None:
-            num += bm.num_blocks_to_take(head.num_tokens, head.block_hashes)
-        return num
-
-    def num_tokens_wanted(self) -> int:
-        """Tokens the next step would compute with no compute-share cap: every running request's
-        uncomputed tokens plus the waiting requests' (as many as free sequence slots), at most
-        ``max_num_batched_tokens``. An estimate: admission may still be refused for blocks."""
-        num = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
-        slots = max(0, self.config.max_num_seqs - len(self.running))
-        num += sum(r.num_tokens for r in self.waiting[:slots])
-        return min(num, self.config.max_num_batched_tokens)
-
-    def blocks_by_priority(self) -> list[int]:
-        """Blocks in use by running requests per priority, most urgent first. A block shared by
-        requests of several priorities counts once, for the most urgent (preempting the others
-        would not free it); the counts sum to the blocks in use."""
-        counts = [0] * len(PRIORITIES)
-        seen: set[int] = set()
-        bm = self.block_manager
-        for req in sorted(self.running, key=lambda r: int(r.priority)):
-            for block in bm.block_table(req.request_id):
-                if block not in seen:
-                    seen.add(block)
-                    counts[int(req.priority)] += 1
-        return counts
-
-    def kv_block_shortfall(self) -> tuple[Priority, int] | None:
-        """(priority, blocks lacking) of the head waiting request when only the block limit
-        keeps it out: what a pool member asks its pool for. None when it fits, when the engine's
-        own cache is what is short (more budget would not help), or with no limit."""
-        bm = self.block_manager
-        head = self._admissible_head()
-        if head is None or bm.block_limit is None:
-            return None
-        num_take = bm.num_blocks_to_take(head.num_tokens, head.block_hashes)
-        if num_take > bm.num_free_blocks:
-            return None
-        lacking = num_take - max(0, bm.block_limit - bm.num_used_blocks)
-        return (head.priority, lacking) if lacking > 0 else None
-
-    def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int:
-        """Make up to ``num_blocks`` blocks givable back to the pool; returns how many.
-
-        Spare blocks (allowed by the limit, unused) count first; then running requests strictly
-        less urgent than ``priority`` are preempted (recompute), lowest priority and latest
-        arrival first, until enough blocks are free. The caller lowers the limit by the result.
-        """
-        if num_blocks <= 0:
-            return 0
-        bm = self.block_manager
-        limit = bm.block_limit if bm.block_limit is not None else bm.num_blocks
-        freed = max(0, limit - bm.num_used_blocks)
-        victims = sorted(
-            (r for r in self.running if int(r.priority) > int(priority)),
-            key=lambda r: (int(r.priority), r.timings.arrival_time, r.arrival_seq),
-        )
-        out = SchedulerOutput()
-        while freed < num_blocks and victims:
-            before = bm.num_used_blocks
-            self._preempt(victims.pop(), out)
-            freed += before - bm.num_used_blocks
-        self._num_pool_preemptions += out.num_preemptions
-        return min(freed, num_blocks)
-
-    def _admissible_head(self) -> Request | None:
-        """The next waiting request to admit, if a sequence slot is free (hashes brought up
-        to date)."""
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
-            return None
-        head = self.waiting[0]
-        extend_block_hashes(head.block_hashes, head.all_token_ids, self.block_size)
-        return head
 
     def _mark_finished(
         self,

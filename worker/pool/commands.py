@@ -3,8 +3,8 @@
 ``tokenfleet pool create NAME --blocks N [--block-size 16] [--cap-permille 900] [--chunk C]``
 ``tokenfleet pool show [NAME] [--json]``
 
-:func:`pool_snapshot` (re-exported from :mod:`tokenfleet.worker.kv_pool`) is what ``tokenfleet
-status`` calls to show each pool.
+``tokenfleet status`` shows each pool through :func:`~tokenfleet.worker.pool.admin.pool_snapshot`
+and :func:`format_pool`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import orjson
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import PRIORITIES
-from tokenfleet.shared.scripts.pool import DEFAULT_ROUND_MS, PoolConfig
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.kv_pool import create_pool, pool_names, pool_snapshot
+from tokenfleet.worker.pool.admin import create_pool, pool_names, pool_snapshot
+from tokenfleet.worker.pool.config import DEFAULT_ROUND_MS, PoolConfig
 
-__all__ = ["format_pool", "pool_snapshot", "register"]
+__all__ = ["format_pool", "register"]
 
 
 def register(subparsers: Any) -> None:

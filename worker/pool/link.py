@@ -1,12 +1,14 @@
 """One engine's link to a shared KV pool (issue 6): the per-step protocol of docs/kv_pools.md.
 
-The worker service owns one :class:`PoolLink` per engine and calls it around each step::
+The link drives the engine through its one pool-facing object, ``engine.pool_port()`` (a
+``tokenfleet.worker.engine.pool_port.PoolPort``). The worker service owns one :class:`PoolLink`
+per engine and calls it around each step::
 
     link.join()                       # start-up: limit 0 until the pool grants blocks
     link.before_step()                # apply the last reply: execute a preemption order;
                                       # with a compute share, wait for this step's tokens
     outputs = engine.step()
-    call = link.plan()                # what to ask, give back and report (reads the engine)
+    call = link.plan()                # what to ask, give back and report (reads the port)
     call.queue(pipe)                  # into the step's publish pipeline (any thread)
     link.after_execute(reply)         # that command's reply: the new grant and limit
     link.idle_tick()                  # when idle: keeps the lease (returns seconds to the next)
@@ -19,7 +21,7 @@ always ``held - owed``.
 
 Compute share (pools with a token budget): the link reports the tokens the engine wants per round,
 and before each step paces the engine to its share and caps the step's tokens
-(:class:`tokenfleet.worker.compute_share.ComputeShare`).
+(:class:`tokenfleet.worker.pool.compute_share.ComputeShare`).
 
 Invariants:
     * at most one pool call is in flight (``plan`` refuses a second one);
@@ -39,22 +41,22 @@ from typing import Any, Protocol
 
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.priority import PRIORITIES, Priority
-from tokenfleet.shared.scripts.pool import POOL_STEP, PoolConfig, pool_keys
-from tokenfleet.worker.compute_share import ComputeShare
-from tokenfleet.worker.kv_pool import (
-    KVPoolMember,
-    PoolGrant,
-    PreemptAsk,
-    PreemptOrder,
-    plan_blocks,
-)
+from tokenfleet.worker.engine.outputs import StepStats
 from tokenfleet.worker.pipelined import ScriptPipeline
+from tokenfleet.worker.pool.chunking import plan_blocks
+from tokenfleet.worker.pool.compute_share import ComputeShare
+from tokenfleet.worker.pool.config import PoolConfig
+from tokenfleet.worker.pool.grant import PoolGrant
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.orders import PreemptAsk, PreemptOrder
+from tokenfleet.worker.pool.scripts import POOL_STEP, pool_keys
 
 LEAST_URGENT = max(PRIORITIES)  # no donor can run work less urgent than this: never asked for
 
 
-class PoolEngine(Protocol):
-    """What the link needs from ``tokenfleet.worker.engine.engine.Engine``."""
+class PoolPortLike(Protocol):
+    """What the link needs from the engine: ``tokenfleet.worker.engine.pool_port.PoolPort``
+    (``engine.pool_port()``) provides it; tests drive the link with a fake."""
 
     @property
     def num_kv_blocks(self) -> int: ...
@@ -67,7 +69,7 @@ class PoolEngine(Protocol):
     @property
     def num_tokens_wanted(self) -> int: ...
     @property
-    def last_step_stats(self) -> Any: ...
+    def last_step_stats(self) -> StepStats: ...
     @property
     def token_limit(self) -> int | None: ...
     def set_token_limit(self, num_tokens: int | None) -> None: ...
@@ -75,6 +77,12 @@ class PoolEngine(Protocol):
     def blocks_by_priority(self) -> list[int]: ...
     def kv_block_shortfall(self) -> tuple[Priority, int] | None: ...
     def preempt_for_pool(self, num_blocks: int, priority: Priority) -> int: ...
+
+
+class PoolEngine(Protocol):
+    """An engine a link can drive: ``tokenfleet.worker.engine.engine.Engine``."""
+
+    def pool_port(self) -> PoolPortLike: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +116,7 @@ class PoolLink:
 
     def __init__(
         self,
-        engine: PoolEngine,
+        port: PoolPortLike,
         member: KVPoolMember,
         *,
         chunk: int | None = None,
@@ -119,7 +127,7 @@ class PoolLink:
     ) -> None:
         if chunk is not None and chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {chunk}")
-        self.engine = engine
+        self.port = port  # the engine's pool-facing object
         self.member = member
         self.chunk = chunk
         self.low_watermark = low_watermark
@@ -160,7 +168,7 @@ class PoolLink:
         self.held = self.owed = 0
         self.last, self._order, self._in_flight = None, None, False
         self._last_call = self.clock()
-        self.engine.set_kv_block_limit(0)
+        self.port.set_kv_block_limit(0)
         self.compute = None
         if info["token_budget"] > 0:
             self.compute = ComputeShare(
@@ -176,8 +184,8 @@ class PoolLink:
         returned = self.member.leave()
         self.held = self.owed = 0
         self._order, self._in_flight = None, False
-        self.engine.set_kv_block_limit(0)
-        self.engine.set_token_limit(None)
+        self.port.set_kv_block_limit(0)
+        self.port.set_token_limit(None)
         self.compute = None
         return returned
 
@@ -192,21 +200,21 @@ class PoolLink:
         blocks now; they go back with the next call; blocks already owed count toward it). With
         a compute share, then wait until the share allows this step and cap its tokens."""
         self._execute_order()
-        if self.compute is not None and self.engine.has_work:
-            self.engine.set_token_limit(self.compute.pace(self.engine.num_tokens_wanted))
+        if self.compute is not None and self.port.has_work:
+            self.port.set_token_limit(self.compute.pace(self.port.num_tokens_wanted))
 
     def _execute_order(self) -> None:
         order, self._order = self._order, None
         if order is None:
             return
-        freed = self.engine.preempt_for_pool(max(0, order.num_blocks - self.owed), order.priority)
+        freed = self.port.preempt_for_pool(max(0, order.num_blocks - self.owed), order.priority)
         self.owed += freed
         self.counters["orders"] += 1
         self.counters["blocks_freed_for_orders"] += freed
-        self.engine.set_kv_block_limit(self.limit)
+        self.port.set_kv_block_limit(self.limit)
 
     def plan(self) -> PoolCall:
-        """After ``engine.step()``: the pool call for this step (read from the engine now; queue
+        """After ``engine.step()``: the pool call for this step (read from the port now; queue
         it with :meth:`PoolCall.queue`, then pass its reply to :meth:`after_execute`).
 
         Gives back what is owed and not in use plus spare blocks above the high watermark, asks
@@ -216,17 +224,17 @@ class PoolLink:
             raise RuntimeError("a pool call is still in flight: apply its reply first")
         if self.chunk is None:
             raise RuntimeError("join the pool first")
-        engine = self.engine
-        active = engine.has_work
+        port = self.port
+        active = port.has_work
         token_demand = 0
         if self.compute is not None:
-            stats = engine.last_step_stats
+            stats = port.last_step_stats
             if stats is not None and stats.step_index != self._charged_step:
                 self._charged_step = stats.step_index
                 self.compute.spent(stats.num_tokens)
             if active:
-                token_demand = self.compute.demand(engine.num_tokens_wanted)
-        used = engine.num_used_blocks
+                token_demand = self.compute.demand(port.num_tokens_wanted)
+        used = port.num_used_blocks
         if not active:
             self.owed = self.held  # idle: entitled to nothing, give everything back now
         give_back = min(self.owed, max(0, self.held - used))
@@ -235,14 +243,14 @@ class PoolLink:
             plan = plan_blocks(
                 held=self.limit,
                 used=used,
-                need=engine.num_blocks_wanted if active else 0,
+                need=port.num_blocks_wanted if active else 0,
                 chunk=self.chunk,
                 low_watermark=self.low_watermark,
                 high_watermark=self.high_watermark,
             )
-            want = min(plan.want, max(0, engine.num_kv_blocks - self.held)) if active else 0
+            want = min(plan.want, max(0, port.num_kv_blocks - self.held)) if active else 0
             spare_release = plan.release
-        shortfall = engine.kv_block_shortfall() if active else None
+        shortfall = port.kv_block_shortfall() if active else None
         ask = None
         if shortfall is not None and shortfall[0] < LEAST_URGENT:  # nothing is less urgent
             ask = PreemptAsk(Priority(shortfall[0]), shortfall[1])
@@ -250,13 +258,13 @@ class PoolLink:
             "active": active,
             "want_blocks": want,
             "release_blocks": give_back + spare_release,
-            "blocks_by_priority": engine.blocks_by_priority(),
+            "blocks_by_priority": port.blocks_by_priority(),
             "ask": ask,
             "token_demand": token_demand,
         }
         self.owed -= give_back
         self.held -= give_back + spare_release
-        engine.set_kv_block_limit(self.limit)
+        port.set_kv_block_limit(self.limit)
         self._in_flight = True
         self._last_call = self.clock()
         self.counters["calls"] += 1
@@ -277,7 +285,7 @@ class PoolLink:
         self.owed = min(self.held, max(self.owed, g.held - g.release_to))
         if g.preempt is not None:
             self._order = g.preempt
-        self.engine.set_kv_block_limit(self.limit)
+        self.port.set_kv_block_limit(self.limit)
         if self.compute is not None:
             self.compute.set_share(g.token_budget, g.active_members)
         return g
@@ -321,14 +329,14 @@ class PoolLink:
             "name": self.member.pool,
             "held": self.held,
             "limit": self.limit,
-            "used": self.engine.num_used_blocks,
+            "used": self.port.num_used_blocks,
             "entitlement": g.entitlement if g else 0,
             "loan": g.loan if g else 0,
             "pending_with": (g.pending_with or "") if g else "",
             **(
                 {
                     "token_share": self.compute.share,
-                    "token_limit": self.engine.token_limit or 0,
+                    "token_limit": self.port.token_limit or 0,
                     "compute_wait_s": round(self.compute.waited_s, 3),
                 }
                 if self.compute is not None

@@ -1,5 +1,5 @@
-"""Stand-ins for what ``PoolLink`` drives: the engine surface (``PoolEngine``, answers settable)
-and a monotonic clock that only ``sleep`` and the test move."""
+"""Stand-ins for what ``PoolLink`` drives: the engine's pool port (``PoolPortLike``, answers
+settable) and a monotonic clock that only ``sleep`` and the test move."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.engine.outputs import StepStats
 
 
-class FakeEngine:
-    """Just the PoolEngine surface, with settable answers."""
+class FakePort:
+    """Just the PoolPortLike surface, with settable answers."""
 
     def __init__(self) -> None:
         self.num_kv_blocks = 100

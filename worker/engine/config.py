@@ -1,0 +1,62 @@
+"""The engine's settings: :class:`EngineConfig`, checked when made (before any model loads)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from tokenfleet.worker.engine.scheduler import SchedulerConfig
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine settings. ``None`` means "derive it": the KV pool from the device's free memory (the
+    model runner decides), ``max_model_len`` from the model config capped by the pool."""
+
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV pool size in blocks ...
+    kv_memory_bytes: int | None = None  # ... or in bytes (give at most one of the two)
+    max_num_seqs: int = 32  # running requests at most
+    max_num_batched_tokens: int = 512  # tokens computed per step at most (chunked prefill)
+    max_model_len: int | None = None  # prompt + output tokens per request at most
+    enable_prefix_caching: bool = True
+    max_wait_steps: int | None = None  # anti-starvation: boost after this many waiting steps
+    max_wait_s: float | None = 30.0  # anti-starvation: boost after this many waiting seconds
+    device: str | None = None  # None: cuda if available, else cpu
+    dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
+    seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
+        if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
+            raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        # the scheduler's own checks, raised now rather than at model load (the engine derives
+        # the real max_model_len from the model and its KV cache)
+        self.scheduler_config(max_model_len=self.max_model_len or 1)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings, with ``max_model_len`` as the engine derived it."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_wait_steps=self.max_wait_steps,
+            max_wait_s=self.max_wait_s,
+        )
+
+
+def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:
+    """``config`` with ``overrides`` applied; ``ValueError`` naming any unknown setting."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise ValueError(f"unknown engine settings: {', '.join(unknown)}")
+    return dataclasses.replace(config, **overrides) if overrides else config
