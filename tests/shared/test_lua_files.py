@@ -285,9 +285,9 @@ def test_lua_file_opens_with_its_keys_argv_header(path: Path) -> None:
 
 @pytest.mark.parametrize("path", scripts(), ids=lambda p: p.name)
 def test_every_script_is_loaded_by_its_package(path: Path) -> None:
-    loaders = [
+    loaders = [  # a wrapper beside the file, or in the package above a lua/ data folder
         p
-        for p in path.parent.glob("*.py")
+        for p in [*path.parent.glob("*.py"), *path.parent.parent.glob("*.py")]
         if re.search(rf"load_lua\(\s*[^)]*\"{re.escape(path.name)}\"", p.read_text())
     ]
     assert loaders, f"no module in {package_of(path)} loads {path.name}"

@@ -1,6 +1,6 @@
--- Shared local functions of the pool scripts: each script includes this file after its own
--- KEYS/ARGV header (-- @include prelude.lua); it is never run alone.
--- Expects KEYS[1] = pool settings hash, KEYS[2] = pool members hash, KEYS[3] = pool preemption
+-- KEYS: none of its own (an include, not a script: each pool script pastes it after its own
+--       KEYS/ARGV header with `-- @include prelude.lua`; it is never run alone).
+-- Shared local functions of the pool scripts. Expects KEYS[1] = pool settings hash, KEYS[2] = pool members hash, KEYS[3] = pool preemption
 -- orders hash, and (ensure_pool only) KEYS[4] = set of pool names. Every key it touches is one
 -- of these: no key name is built here.
 -- The accounting rules these functions implement: worker/pool/scripts.py (its docstring).
