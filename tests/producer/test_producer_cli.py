@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -100,7 +101,7 @@ def _queued_requests(redis_url: str) -> dict[str, GenerationRequest]:
     """The decoded requests waiting in the normal queue, by id."""
     client = redis.Redis.from_url(redis_url)
     try:
-        entries = client.xrange(Keys("tft").stream("default", Priority.NORMAL))
+        entries: Any = client.xrange(Keys("tft").stream("default", Priority.NORMAL))
     finally:
         client.close()
     out = {}
