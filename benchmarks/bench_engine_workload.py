@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(the real-model workload); default: random token prompts 16-256, 8-256 new",
     )
     parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--plot", help="write each side's TTFT distribution (CDF) to this PNG")
     parser.add_argument("--rate", type=float, default=20.0, help="mean arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
@@ -378,6 +379,34 @@ def main() -> None:
             f"{percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} | "
             f"{1000 * percentile(tpot, 50):.1f} |"
         )
+    if args.plot:
+        title = f"TTFT, {args.model or 'tiny llama'}, {len(wl.requests)} requests at {args.rate}/s"
+        plot_ttft(rounds, names, Path(args.plot), title)
+
+
+def plot_ttft(
+    rounds: list[dict[str, SideResult]], names: list[str], path: Path, title: str
+) -> None:
+    """Each side's TTFT over all rounds as a cumulative distribution."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for side in names:
+        ttft = sorted(t for rnd in rounds for t in rnd[side].ttft_s)
+        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=side)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ SCRIPTS: Mapping[str, str] = MappingProxyType(
         "decode": "bench_decode_step.py",
         "pool": "bench_kv_pool.py",
         "compute-share": "bench_compute_share.py",
+        "start": "bench_worker_start.py",
     }
 )
 ALL = "all"
