@@ -73,13 +73,14 @@ from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalS
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.worker import HANDBACK
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.heartbeat import Heartbeat
 from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
+from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.intake.reader import Delivery, IntakeReader
 from tokenfleet.worker.kv_pool import KVPoolMember
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.pool_link import PoolEngine, PoolLink
 from tokenfleet.worker.publisher import Finish, PendingPublish, Publisher, StepResult
-from tokenfleet.worker.reader import Delivery, IntakeReader
-from tokenfleet.worker.recovery import Claimer, Heartbeat
 from tokenfleet.worker.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,9 @@ class WorkerService:
         self.heartbeat = Heartbeat(
             self.client, settings, worker_name=name, ttl_s=wsettings.heartbeat_ttl_s
         )
-        self.claimer = Claimer(self.client, self.intake, claim_idle_s=wsettings.claim_idle_s)
+        self.claimer = Claimer(
+            self.client, self.intake.streams, claim_idle_s=wsettings.claim_idle_s
+        )
         self.reader = IntakeReader(self.intake, block_ms=wsettings.block_ms)
         self.jobs: dict[str, Job] = {}
         self._early: dict[str, Job] = {}  # in the engine, START not answered yet (reader)
@@ -191,7 +194,7 @@ class WorkerService:
 
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
-        self.intake.ensure_groups()
+        self.intake.streams.ensure_groups()
         if self.pool is not None:
             self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
         self._beat()  # first: from now on nobody else claims what this name holds
@@ -316,7 +319,7 @@ class WorkerService:
     def _admit(self, entries: list[Entry], claimed: bool = False) -> None:
         if not entries:
             return
-        jobs, report = self.intake.start(entries)
+        jobs, report = self.intake.starter.start(entries)
         self._count(report)
         for job in jobs:
             if claimed:

@@ -28,8 +28,8 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.schema import SamplingParams, TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
+from tokenfleet.worker.intake.reader import Delivery
 from tokenfleet.worker.publisher import Publisher
-from tokenfleet.worker.reader import Delivery
 from tokenfleet.worker.service import WorkerService
 from tokenfleet.worker.worker_settings import WorkerSettings
 
@@ -60,7 +60,7 @@ def service(r: redis.Redis, settings: Settings, tiny_model_dir: Path) -> Iterato
 
     ws = WorkerSettings(model=str(tiny_model_dir), name="w1")
     svc = WorkerService(Engine(tiny_model_dir, device="cpu"), settings, ws, client=r)
-    svc.intake.ensure_groups()
+    svc.intake.streams.ensure_groups()
     yield svc
     svc.flush()
 
@@ -90,11 +90,11 @@ def test_early_request_publishes_only_once_started(
 ) -> None:
     log = subscribe(r, keys, ["e1"])
     enqueue(r, keys, _request("e1"))
-    entries = service.intake.pull(4)
-    early = service.intake.early_jobs(entries)
+    entries = service.intake.streams.pull(4)
+    early = service.intake.starter.early_jobs(entries)
     service._deliver(Delivery(early=early))  # in the engine, START still on the wire
     assert "e1" in service._early and "e1" not in service.jobs
-    jobs, report = service.intake.start(entries)
+    jobs, report = service.intake.starter.start(entries)
     reader = AnsweringReader(Delivery(jobs=jobs, reports=[report], resolved=["e1"]))
     service.reader = reader  # type: ignore[assignment]
     service._step()  # the first token is computed before the answer is taken
@@ -113,10 +113,10 @@ def test_early_request_refused_by_start_leaves_the_engine_unpublished(
 ) -> None:
     log = subscribe(r, keys, ["e2"])
     enqueue(r, keys, _request("e2"))
-    entries = service.intake.pull(4)
-    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    entries = service.intake.streams.pull(4)
+    service._deliver(Delivery(early=service.intake.starter.early_jobs(entries)))
     r.sadd(keys.cancel_set, "e2")  # cancelled while START is on the wire
-    jobs, report = service.intake.start(entries)
+    jobs, report = service.intake.starter.start(entries)
     assert jobs == []
     service.reader = AnsweringReader(  # type: ignore[assignment]
         Delivery(reports=[report], resolved=["e2"])
@@ -141,7 +141,7 @@ def test_early_request_with_tokens_to_resume_starts_over_from_them(
     req = _request("e3")
     enqueue(r, keys, req)
     old = make_intake(r, settings, worker_name="w0")
-    (job0,), _ = old.start(old.pull(1))
+    (job0,), _ = old.starter.start(old.streams.pull(1))
     done = [TokenEvent("e3", i, ref[i], f"<{i}>") for i in range(3)]
     publisher = Publisher(r, settings, model_name="default", worker_name="w0")
     assert not publisher.publish([(job0, done)], []).lost
@@ -152,11 +152,11 @@ def test_early_request_with_tokens_to_resume_starts_over_from_them(
     r.hset(keys.record("e3"), mapping={"status": "queued", "worker": "", "stream_id": new})
     r.hincrby(keys.record("e3"), "attempts", -1)
 
-    entries = service.intake.pull(4)
-    early = service.intake.early_jobs(entries)
+    entries = service.intake.streams.pull(4)
+    early = service.intake.starter.early_jobs(entries)
     assert [j.request_id for j in early] == ["e3"]
     service._deliver(Delivery(early=early))
-    jobs, report = service.intake.start(entries)
+    jobs, report = service.intake.starter.start(entries)
     assert jobs[0].resume_token_ids == ref[:3]
     service.reader = AnsweringReader(  # type: ignore[assignment]
         Delivery(jobs=jobs, reports=[report], resolved=["e3"])
@@ -208,8 +208,8 @@ def test_messages_the_chat_template_refuses_end_the_request_not_the_worker(
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     enqueue(r, keys, make_request("c1", messages=messages, sampling=params))
     enqueue(r, keys, _request("c2"))
-    entries = service.intake.pull(4)
-    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    entries = service.intake.streams.pull(4)
+    service._deliver(Delivery(early=service.intake.starter.early_jobs(entries)))
     assert "c1" not in service._early and "c2" in service._early
     service._admit(entries)
     _run_to_end(service)
@@ -225,7 +225,7 @@ def test_a_failed_step_ends_its_requests_and_counts_them(
     r: redis.Redis, keys: Keys, service: WorkerService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     enqueue(r, keys, _request("f1"))
-    service._admit(service.intake.pull(4))
+    service._admit(service.intake.streams.pull(4))
 
     def broken_step() -> Any:
         raise RuntimeError("injected: the model runner blew up")
@@ -255,7 +255,7 @@ def test_inherited_requests_go_before_new_arrivals(
     r: redis.Redis, keys: Keys, service: WorkerService
 ) -> None:
     enqueue(r, keys, _request("old1"))
-    service.intake.pull(4)  # read as "w1" by the earlier process of this name, which died
+    service.intake.streams.pull(4)  # read as "w1" by the earlier process of this name, which died
     enqueue(r, keys, _request("new1"))
     assert service.claimer.inherit() == 1
     assert service._budget() > 0 and service._read_budget() == 0  # the intake waits
@@ -272,8 +272,8 @@ def test_an_expired_request_is_not_started_early(
 ) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     enqueue(r, keys, make_request("x1", sampling=params, deadline=time.time() - 1))
-    entries = service.intake.pull(4)
-    service._deliver(Delivery(early=service.intake.early_jobs(entries)))
+    entries = service.intake.streams.pull(4)
+    service._deliver(Delivery(early=service.intake.starter.early_jobs(entries)))
     assert not service._early and not service.engine.has_unfinished()  # no prefill for it
     service._admit(entries)
     rec = record(r, keys, "x1")

@@ -16,7 +16,7 @@ def _started(r: redis.Redis, settings: Settings, keys: Keys, rids: list[str]) ->
     for rid in rids:
         enqueue(r, keys, make_request(rid))
     intake = make_intake(r, settings)
-    jobs, _ = intake.start(intake.pull(len(rids)))
+    jobs, _ = intake.starter.start(intake.streams.pull(len(rids)))
     assert [j.request_id for j in jobs] == rids
     return jobs
 
