@@ -76,11 +76,12 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.heartbeat import Heartbeat
 from tokenfleet.worker.intake import Entry, Intake, Job, StartReport
 from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.intake.jobs import record_published
 from tokenfleet.worker.intake.reader import Delivery, IntakeReader
 from tokenfleet.worker.kv_pool import KVPoolMember
 from tokenfleet.worker.metrics import WorkerMetrics
 from tokenfleet.worker.pool_link import PoolEngine, PoolLink
-from tokenfleet.worker.publisher import Finish, PendingPublish, Publisher, StepResult
+from tokenfleet.worker.publish.publisher import Finish, PendingPublish, Publisher, StepResult
 from tokenfleet.worker.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ class WorkerService:
                 weight=wsettings.share_weight,
             )
             self.pool = PoolLink(cast(PoolEngine, engine), member)
-        self._inflight: deque[PendingPublish] = deque()  # sent, replies not yet applied
+        self._inflight: deque[PendingPublish[Job]] = deque()  # sent, replies not yet applied
         self._cancels: set[str] = set()
         self.stop_requested = False
         self._hurry = False
@@ -459,7 +460,7 @@ class WorkerService:
             self._resolve_early({out.request_id for out in outputs})
         firsts: list[tuple[Job, list[TokenEvent]]] = []  # requests' first tokens (TTFT)
         tokens: list[tuple[Job, list[TokenEvent]]] = []
-        finishes: list[Finish] = []
+        finishes: list[tuple[Job, TerminalEvent, list[TokenEvent]]] = []
         restarts: list[Job] = []
         for out in outputs:
             if out.request_id in self._aborting:  # a run we took back: nothing is published
@@ -478,8 +479,8 @@ class WorkerService:
             if events:
                 (firsts if events[0].index == 0 else tokens).append((job, events))
             if out.finished:
-                finishes.append(Finish(job, self._terminal(job, out, len(events))))
-        finishing = {f.job.request_id for f in finishes}
+                finishes.append((job, self._terminal(job, out, len(events)), events))
+        finishing = {job.request_id for job, _, _ in finishes}
         check = [rid for rid in self.jobs if rid not in finishing]
         # first tokens lead the pipeline: Redis runs (and PUBLISHes) them before the others
         tokens = firsts + tokens
@@ -510,19 +511,21 @@ class WorkerService:
     def _publish_async(
         self,
         tokens: list[tuple[Job, list[TokenEvent]]],
-        finishes: list[Finish],
+        finishes: list[tuple[Job, TerminalEvent, list[TokenEvent]]],
         check: list[str],
     ) -> None:
         """Apply the previous step's round trip, then send this step's without waiting.
 
         One round trip is in flight while the engine computes the next step (the tokens reach
         clients as soon as Redis runs it); its results (finishes, lost requests, cancellations)
-        are applied one step late.
+        are applied one step late. A finish carries its job's text as of that result, plus its
+        events in this round trip.
         """
         self.flush()
+        ends = [_finish(job, event, events) for job, event, events in finishes]
         call = self.pool.plan() if self.pool is not None else None
         try:
-            pending = self.publisher.send(tokens, finishes, check, call)
+            pending = self.publisher.send(tokens, ends, check, call)
         except BaseException:
             if self.pool is not None:
                 self.pool.abandon()
@@ -540,14 +543,15 @@ class WorkerService:
                 raise
             self._apply(result)
 
-    def _apply(self, result: StepResult) -> None:
+    def _apply(self, result: StepResult[Job]) -> None:
         if self.pool is not None and result.pool_reply is not None:
             self.pool.after_execute(result.pool_reply)
+        record_published(result.appended)
         for fin in result.finished:
-            self.jobs.pop(fin.job.request_id, None)
             ev = fin.event
+            self.jobs.pop(ev.request_id, None)
             self.metrics.observe_finish(
-                fin.job.entry.priority,
+                fin.priority,
                 ev.status.value,
                 ev.finish_reason,
                 ev.usage.get("prompt_tokens", 0),
@@ -605,7 +609,7 @@ class WorkerService:
         event = TerminalEvent(
             job.request_id, status, num_tokens=job.num_published, code=code, message=message
         )
-        result = self.publisher.publish([], [Finish(job, event)])
+        result: StepResult[Job] = self.publisher.publish([], [_finish(job, event)])
         self.jobs.pop(job.request_id, None)
         if result.finished:
             self.metrics.observe_finish(job.entry.priority, status.value, None, 0, {})
@@ -633,7 +637,7 @@ class WorkerService:
                 f"({type(exc).__name__}: {exc}); it was aborted"
             )
             finishes.append(
-                Finish(
+                _finish(
                     job,
                     TerminalEvent(
                         job.request_id,
@@ -646,7 +650,7 @@ class WorkerService:
             )
         self._apply(self.publisher.publish([], finishes))  # counts them in the metrics
         for fin in finishes:
-            self.jobs.pop(fin.job.request_id, None)
+            self.jobs.pop(fin.event.request_id, None)
         if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
             log.error(
                 "worker %s: %d engine steps failed in a row; exiting with status %d for "
@@ -713,6 +717,12 @@ class WorkerService:
                 **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
             }
         )
+
+
+def _finish(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:
+    """``job``'s finish with ``event``: its text so far plus ``events`` (in the same round trip)."""
+    text = job.text + "".join(e.text for e in events)
+    return Finish(event, job.entry.priority, job.entry.entry_id, text)
 
 
 def timings_dict(timings: Any) -> dict[str, float]:

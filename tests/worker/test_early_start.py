@@ -29,7 +29,7 @@ from tokenfleet.shared.schema import SamplingParams, TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.engine.request import SamplingParams as EngineParams
 from tokenfleet.worker.intake.reader import Delivery
-from tokenfleet.worker.publisher import Publisher
+from tokenfleet.worker.publish.publisher import Publisher
 from tokenfleet.worker.service import WorkerService
 from tokenfleet.worker.worker_settings import WorkerSettings
 

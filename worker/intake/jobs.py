@@ -4,13 +4,14 @@ counts of entries that ended without running."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import check_request_id
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
-from tokenfleet.shared.schema import GenerationRequest
+from tokenfleet.shared.schema import GenerationRequest, TokenEvent
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class Job:
 
     Invariant: ``num_published`` token events (indices ``0 .. num_published - 1``) are in the
     request's token list; ``text_parts`` holds their texts in index order. The publisher never
-    changes a job: whoever owns it applies a publish's result (``RunTable.record_published``).
+    changes a job: its owner applies each publish's result with :func:`record_published`.
     """
 
     entry: Entry
@@ -72,3 +73,11 @@ class StartReport:
     cancelled: list[Priority] = field(default_factory=list)
     poisoned: list[Priority] = field(default_factory=list)
     dead_lettered: list[Priority] = field(default_factory=list)
+
+
+def record_published(appended: Iterable[tuple[Job, Sequence[TokenEvent]]]) -> None:
+    """Advance each job by its events that a publish appended to its token list (the events
+    start at ``num_published``: the script refuses any others)."""
+    for job, events in appended:
+        job.num_published = events[-1].index + 1
+        job.text_parts.extend(e.text for e in events)
