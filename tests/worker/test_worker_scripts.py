@@ -21,10 +21,10 @@ from tokenfleet.shared.scripts.worker import (
     append_tokens_keys_args,
 )
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker import heartbeat
-from tokenfleet.worker.heartbeat import Heartbeat
 from tokenfleet.worker.intake import claimer as claiming
 from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.service import heartbeat
+from tokenfleet.worker.service.heartbeat import Heartbeat
 
 STREAM = "tft:q:default:normal"
 

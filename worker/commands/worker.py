@@ -2,7 +2,7 @@
 
 Every flag has a ``TOKENFLEET_*`` environment variable (for compose); a flag wins over the
 environment. Exit status: 0 after a graceful stop, 3 when the engine failed several steps in a
-row (see ``tokenfleet.worker.service``), 1 on bad settings.
+row (see ``tokenfleet.worker.service.step_failure``), 1 on bad settings.
 """
 
 from __future__ import annotations
@@ -120,10 +120,11 @@ def func(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(ws.threads)
     from tokenfleet.worker.engine.engine import Engine
-    from tokenfleet.worker.metrics import WorkerMetrics
     from tokenfleet.worker.service import WorkerService
+    from tokenfleet.worker.service.engine_port import EnginePort
+    from tokenfleet.worker.service.metrics import WorkerMetrics
 
-    engine = Engine(ws.model, **ws.engine_overrides())
+    engine: EnginePort = Engine(ws.model, **ws.engine_overrides())  # mypy: Engine fits the port
     metrics = WorkerMetrics(ws.model_name)
     if ws.metrics_port is not None:
         metrics.serve(ws.metrics_port)
