@@ -1,4 +1,5 @@
-"""Intake against the real server, in process: priority order, anti-starvation, budgets."""
+"""Reading the intake's streams against the real server, in process: priority order,
+anti-starvation, budgets."""
 
 from __future__ import annotations
 
@@ -8,14 +9,13 @@ from worker_helpers import make_intake
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.intake.streams import PriorityStreams
 
 
-def _intake(r: redis.Redis, settings: Settings, starvation_pulls: int = 3) -> Intake:
-    intake: Intake = make_intake(
-        r, settings, priorities=list(Priority), starvation_pulls=starvation_pulls
-    )
-    return intake
+def _intake(r: redis.Redis, settings: Settings, starvation_pulls: int = 3) -> PriorityStreams:
+    intake = make_intake(r, settings, priorities=list(Priority), starvation_pulls=starvation_pulls)
+    streams: PriorityStreams = intake.streams
+    return streams
 
 
 def _fill(r: redis.Redis, keys: Keys, priority: Priority, n: int) -> None:

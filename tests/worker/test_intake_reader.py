@@ -15,7 +15,7 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.scripts.worker import START
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Intake
-from tokenfleet.worker.reader import IntakeReader
+from tokenfleet.worker.intake.reader import IntakeReader
 
 NORMAL = "tft:q:default:normal"
 
@@ -39,20 +39,22 @@ def test_start_and_pull_starts_and_reads_the_next_most_urgent_in_one_round_trip(
 ) -> None:
     intake = make_intake(r, settings, priorities=list(Priority))
     enqueue(r, keys, make_request("n1"))
-    entries = intake.pull(1)
+    entries = intake.streams.pull(1)
     enqueue(r, keys, make_request("b1", priority=Priority.BATCH))
     enqueue(r, keys, make_request("n2"))
     enqueue(r, keys, make_request("c1", priority=Priority.CRITICAL))
     r.script_load(START.source)  # else NOSCRIPT adds the loading round trips
     taken = _count_checkouts(r)
-    jobs, report, pulled = intake.start_and_pull(entries, intake.early_jobs(entries), 2)
+    jobs, report, pulled = intake.starter.start_and_pull(
+        entries, intake.starter.early_jobs(entries), 2
+    )
     assert taken[0] == 1
     assert [j.request_id for j in jobs] == ["n1"] and report.dead_lettered == []
     assert [e.raw_id for e in pulled] == ["c1", "n2"]  # most urgent first, within the budget
     n1, c1 = record(r, keys, "n1"), record(r, keys, "c1")
     assert n1 is not None and n1.status == "running"
     assert c1 is not None and c1.status == "queued"  # read, not started: the caller starts it
-    jobs, _, pulled = intake.start_and_pull(pulled, (), 0)
+    jobs, _, pulled = intake.starter.start_and_pull(pulled, (), 0)
     assert [j.request_id for j in jobs] == ["c1", "n2"] and pulled == []
     assert r.xpending(keys.stream("default", Priority.BATCH), CONSUMER_GROUP)["pending"] == 0
 
@@ -62,13 +64,13 @@ def test_start_and_pull_keeps_the_starts_when_a_stream_vanished(
 ) -> None:
     intake = make_intake(r, settings, priorities=[Priority.NORMAL, Priority.BATCH])
     enqueue(r, keys, make_request("n1"))
-    entries = intake.pull(1)
+    entries = intake.streams.pull(1)
     r.delete(keys.stream("default", Priority.BATCH))  # the PULL finds its group gone
-    jobs, _, pulled = intake.start_and_pull(entries, (), 5)
+    jobs, _, pulled = intake.starter.start_and_pull(entries, (), 5)
     assert [j.request_id for j in jobs] == ["n1"] and pulled == []
     assert r.xinfo_groups(keys.stream("default", Priority.BATCH))  # recreated
     enqueue(r, keys, make_request("b1", priority=Priority.BATCH))
-    assert [e.raw_id for e in intake.pull(5)] == ["b1"]
+    assert [e.raw_id for e in intake.streams.pull(5)] == ["b1"]
 
 
 def test_start_and_pull_pulls_even_when_every_entry_was_dead_lettered(
@@ -76,9 +78,9 @@ def test_start_and_pull_pulls_even_when_every_entry_was_dead_lettered(
 ) -> None:
     intake = make_intake(r, settings)
     r.xadd(NORMAL, {"id": "bad", "d": b"not json"})
-    entries = intake.pull(1)
+    entries = intake.streams.pull(1)
     enqueue(r, keys, make_request("n1"))
-    jobs, report, pulled = intake.start_and_pull(entries, (), 3)
+    jobs, report, pulled = intake.starter.start_and_pull(entries, (), 3)
     assert jobs == [] and report.dead_lettered == [Priority.NORMAL]
     assert [e.raw_id for e in pulled] == ["n1"]
 
@@ -88,7 +90,7 @@ class Spy:
 
     def __init__(self, intake: Intake) -> None:
         self.sent: list[str] = []
-        send_read, send_start = intake.send_read, intake.send_start
+        send_read, send_start = intake.streams.send_read, intake.starter.send_start
 
         def read(budget: int, *, block_ms: int | None = None, connection: Any = None) -> Any:
             self.sent.append("pull" if block_ms is None else "wait")
@@ -98,8 +100,8 @@ class Spy:
             self.sent.append("start")
             return send_start(*args, **kwargs)
 
-        intake.send_read = read  # type: ignore[method-assign]
-        intake.send_start = start  # type: ignore[method-assign]
+        intake.streams.send_read = read  # type: ignore[method-assign]
+        intake.starter.send_start = start  # type: ignore[method-assign]
 
 
 @pytest.fixture

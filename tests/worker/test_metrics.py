@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tokenfleet.shared.priority import Priority
-from tokenfleet.worker.metrics import THROUGHPUT_WINDOW_S, WorkerMetrics
+from tokenfleet.worker.service.metrics import THROUGHPUT_WINDOW_S, WorkerMetrics
 
 
 def _value(m: WorkerMetrics, name: str, **labels: str) -> float | None:

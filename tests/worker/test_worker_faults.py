@@ -21,7 +21,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import SamplingParams
 from tokenfleet.worker.devtools.local_redis import RedisServer
-from tokenfleet.worker.service import EXIT_ENGINE_BROKEN, MAX_CONSECUTIVE_STEP_FAILURES
+from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, MAX_CONSECUTIVE_STEP_FAILURES
 
 pytestmark = pytest.mark.slow
 FAULTY = Path(__file__).with_name("faulty_worker.py")

@@ -21,8 +21,10 @@ from tokenfleet.shared.scripts.worker import (
     append_tokens_keys_args,
 )
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker import recovery
-from tokenfleet.worker.recovery import Claimer, Heartbeat
+from tokenfleet.worker.intake import claimer as claiming
+from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.service import heartbeat
+from tokenfleet.worker.service.heartbeat import Heartbeat
 
 STREAM = "tft:q:default:normal"
 
@@ -201,8 +203,8 @@ def test_claim_takes_only_entries_of_dead_owners(
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
     r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=1)
     Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 1})
-    assert Claimer(r, intake, claim_idle_s=3600).claim(10) == []  # not idle long enough
-    claimer = Claimer(r, intake, claim_idle_s=0)
+    assert Claimer(r, intake.streams, claim_idle_s=3600).claim(10) == []  # not idle long enough
+    claimer = Claimer(r, intake.streams, claim_idle_s=0)
     claimed = claimer.claim(10)
     assert [e.raw_id for e in claimed] == ["x2"]
     owners = {
@@ -217,7 +219,7 @@ def test_a_beat_drops_names_that_lapsed_long_ago(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     now = time.time()
-    r.zadd(keys.workers, {"old": now - recovery.LAPSED_KEEP_S - 5, "recent": now - 60})
+    r.zadd(keys.workers, {"old": now - heartbeat.LAPSED_KEEP_S - 5, "recent": now - 60})
     Heartbeat(r, settings, worker_name="me", ttl_s=30).beat({"running": 0})
     assert sorted(r.zrange(keys.workers, 0, -1)) == [b"me", b"recent"]
 
@@ -225,14 +227,14 @@ def test_a_beat_drops_names_that_lapsed_long_ago(
 def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(
     r: redis.Redis, settings: Settings, keys: Keys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(recovery, "PENDING_SCAN", 3)  # fewer live entries than a real scan
+    monkeypatch.setattr(claiming, "PENDING_SCAN", 3)  # fewer live entries than a real scan
     intake = make_intake(r, settings, worker_name="me")
     for i in range(7):
         enqueue(r, keys, make_request(f"y{i}"))
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=5)
     r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=2)
     Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 5})
-    claimer = Claimer(r, intake, claim_idle_s=0)
+    claimer = Claimer(r, intake.streams, claim_idle_s=0)
     # rounds of budget 1: y0-y2 (all live), y3-y5 (takes y5), y6 (takes y6)
     got = [e.raw_id for _ in range(3) for e in claimer.claim(1)]
     assert got == ["y5", "y6"]
@@ -250,7 +252,7 @@ def test_a_restarted_worker_inherits_what_its_name_left_pending(
     for name in ("me", "alive"):  # the new process of "me" beats before it claims
         Heartbeat(r, settings, worker_name=name, ttl_s=30).beat({"running": 0})
     intake = make_intake(r, settings, worker_name="me")
-    claimer = Claimer(r, intake, claim_idle_s=3600)  # nothing is idle long enough to claim
+    claimer = Claimer(r, intake.streams, claim_idle_s=3600)  # nothing is idle long enough to claim
     assert claimer.claim(10) == []  # without inheriting, nobody ever takes them
     assert claimer.inherit() == 2
     assert [e.raw_id for e in claimer.claim(1)] == ["z1"]  # within the engine's room
@@ -269,7 +271,7 @@ def test_an_inherited_entry_another_worker_claimed_meanwhile_stays_with_it(
     read: Any = r.xreadgroup(CONSUMER_GROUP, "me", {STREAM: ">"}, count=2)  # earlier process
     ids = [entry_id for entry_id, _ in read[0][1]]
     r.xclaim(STREAM, CONSUMER_GROUP, "me", 0, ids, idle=60_000)  # died a minute ago
-    claimer = Claimer(r, make_intake(r, settings, worker_name="me"), claim_idle_s=3600)
+    claimer = Claimer(r, make_intake(r, settings, worker_name="me").streams, claim_idle_s=3600)
     assert claimer.inherit() == 2
     # meanwhile a live worker claims v1: the earlier process's heartbeat had lapsed
     r.xclaim(STREAM, CONSUMER_GROUP, "other", 30_000, [ids[0]])
@@ -287,13 +289,13 @@ def test_inherited_entries_of_queues_no_longer_served_are_left_for_their_workers
     read: Any = r.xreadgroup(CONSUMER_GROUP, "me", {crit: ">"}, count=1)
     ((_, [(entry_id, _)]),) = read
     r.xclaim(crit, CONSUMER_GROUP, "me", 0, [entry_id], idle=60_000)
-    claimer = Claimer(r, make_intake(r, settings, worker_name="me"), claim_idle_s=3600)
+    claimer = Claimer(r, make_intake(r, settings, worker_name="me").streams, claim_idle_s=3600)
     assert claimer.inherit() == 0  # normal only: nothing of its own to resume
     listed: Any = r.xpending_range(crit, CONSUMER_GROUP, "-", "+", 10)
     (pending,) = listed
     assert pending["consumer"] == b"me~gone" and pending["time_since_delivered"] >= 60_000
     serving = make_intake(r, settings, worker_name="crit", priorities=[Priority.CRITICAL])
-    claimed = Claimer(r, serving, claim_idle_s=30).claim(10)  # "me~gone" never beats
+    claimed = Claimer(r, serving.streams, claim_idle_s=30).claim(10)  # "me~gone" never beats
     assert [e.raw_id for e in claimed] == ["u1"]
 
 
@@ -354,9 +356,9 @@ def test_early_jobs_are_new_decodable_entries_only(
     enqueue(r, keys, make_request("new"))
     r.xadd(STREAM, {"id": "bad", "d": b"not json"})
     r.xadd(STREAM, {"id": "back", "d": make_request("back").encode(), "dl": "", "h": "1"})
-    entries = intake.pull(10)
+    entries = intake.streams.pull(10)
     assert [e.raw_id for e in entries] == ["new", "bad", "back"]
-    early = intake.early_jobs(entries)
+    early = intake.starter.early_jobs(entries)
     assert [(j.request_id, j.attempts, j.resume_token_ids) for j in early] == [("new", 0, [])]
     assert r.xlen(STREAM) == 3  # nothing written: start() still decides every entry
 
@@ -370,9 +372,9 @@ def test_start_reuses_early_decoding_per_stream_and_entry(
         req = make_request(rid, priority=priority)
         r.xadd(keys.stream("default", priority), {"id": rid, "d": req.encode(), "dl": ""}, id="5-0")
         r.hset(keys.record(rid), mapping={"status": "queued", "stream_id": "5-0", "attempts": 0})
-    entries = intake.pull(10)
+    entries = intake.streams.pull(10)
     assert [(e.raw_id, e.entry_id) for e in entries] == [("n1", "5-0"), ("b1", "5-0")]
-    jobs, _ = intake.start(entries, intake.early_jobs(entries))
+    jobs, _ = intake.starter.start(entries, intake.starter.early_jobs(entries))
     assert [(j.request_id, j.entry.priority) for j in jobs] == [
         ("n1", Priority.NORMAL),
         ("b1", Priority.BATCH),
@@ -385,7 +387,7 @@ def test_start_reuses_early_decoding_per_stream_and_entry(
 def test_intake_reader_never_takes_more_than_the_engine_can_admit(
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
-    from tokenfleet.worker.reader import IntakeReader
+    from tokenfleet.worker.intake.reader import IntakeReader
 
     intake = make_intake(r, settings)
     for i in range(5):

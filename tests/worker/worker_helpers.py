@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -23,6 +23,9 @@ from tokenfleet.shared.schema import (
     decode_event,
 )
 
+if TYPE_CHECKING:
+    from tokenfleet.worker.intake import Intake
+
 DEADLINE_S = 120.0
 
 
@@ -33,7 +36,7 @@ def make_intake(
     worker_name: str = "w1",
     priorities: Sequence[Any] | None = None,
     starvation_pulls: int = 8,
-) -> Any:
+) -> Intake:
     """An ``Intake`` for model "default" (poison limit 3), its consumer groups created."""
     from tokenfleet.shared.priority import Priority
     from tokenfleet.worker.intake import Intake
@@ -47,7 +50,7 @@ def make_intake(
         poison_limit=3,
         starvation_pulls=starvation_pulls,
     )
-    intake.ensure_groups()
+    intake.streams.ensure_groups()
     return intake
 
 

@@ -2,7 +2,7 @@
 
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
-live workers drop them (an hour after their last beat, ``recovery.LAPSED_KEEP_S``).
+live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
 """
 

@@ -2,8 +2,9 @@
 
 Every flag has a ``TOKENFLEET_*`` environment variable (for compose); a flag wins over the
 environment. Exit status: 0 after a graceful stop, 3 when the engine failed several steps in a
-row (see ``tokenfleet.worker.service``), 4 when the model cannot be found or loaded (nothing was
-read from the queue: queued work waits for a healthy worker), 1 on other bad settings.
+row (see ``tokenfleet.worker.service.step_failure``), 4 when the model cannot be found or loaded
+(nothing was read from the queue: queued work waits for a healthy worker), 1 on other bad
+settings.
 """
 
 from __future__ import annotations
@@ -133,26 +134,28 @@ def func(args: argparse.Namespace) -> int:
         torch.set_num_threads(ws.threads)
     from tokenfleet.worker.engine.engine import Engine
     from tokenfleet.worker.engine.model_runner import UnsupportedModel
-    from tokenfleet.worker.metrics import WorkerMetrics
     from tokenfleet.worker.models.errors import EXIT_MODEL_UNAVAILABLE, ModelFileError
     from tokenfleet.worker.models.resolve import resolve_model
     from tokenfleet.worker.models.startup import context_warning, model_summary
     from tokenfleet.worker.service import WorkerService
+    from tokenfleet.worker.service.engine_port import EnginePort
+    from tokenfleet.worker.service.metrics import WorkerMetrics
 
     log = logging.getLogger("tokenfleet.worker")
     try:
         folder = resolve_model(ws.model)
-        engine = Engine(folder, **ws.engine_overrides())
+        loaded = Engine(folder, **ws.engine_overrides())
     except (ModelFileError, UnsupportedModel) as exc:
         print(f"tokenfleet worker: model {ws.model!r} cannot be used: {exc}", file=sys.stderr)
         return EXIT_MODEL_UNAVAILABLE
     except ValueError as exc:  # a setting the model cannot honour (dtype, max_model_len, ...)
         print(f"tokenfleet worker: {exc}", file=sys.stderr)
         return 1
-    log.info("%s", model_summary(ws.model, folder, engine))
-    warning = None if ws.max_model_len is not None else context_warning(engine)
+    log.info("%s", model_summary(ws.model, folder, loaded))
+    warning = None if ws.max_model_len is not None else context_warning(loaded)
     if warning:
         log.warning("%s", warning)
+    engine: EnginePort = loaded  # mypy: the engine fits the service's port
     metrics = WorkerMetrics(ws.model_name)
     if ws.metrics_port is not None:
         metrics.serve(ws.metrics_port)

@@ -1,9 +1,5 @@
-"""Crash safety: this worker's heartbeat, and claiming entries of workers whose heartbeat lapsed.
-
-Heartbeat: hash ``P:worker:NAME`` (stats) with a TTL of ``heartbeat_ttl_s``, rewritten every
-``heartbeat_interval_s`` from the service loop (not a thread: a worker whose loop hangs must look
-dead), plus ``ZADD P:workers NAME now`` for ``tokenfleet status``; each beat also drops names
-that have not beaten for ``LAPSED_KEEP_S`` (every restart under ``HOST-PID`` adds a name).
+"""Crash safety on the intake side: claiming entries of workers whose heartbeat lapsed (the
+heartbeat itself: ``tokenfleet.worker.service.heartbeat``).
 
 Claiming: every ``claim_interval_s`` a worker lists, per stream, up to ``PENDING_SCAN`` pending
 entries idle for at least ``claim_idle_s`` (``XPENDING ... IDLE``), checks which of their owners
@@ -31,65 +27,31 @@ the owner's own name, for entries pending from before that process started.
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Mapping
 from typing import Any
 
 import redis
 
-from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.keys import CONSUMER_GROUP
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
-from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake import Entry, Intake
+from tokenfleet.worker.intake.jobs import Entry
+from tokenfleet.worker.intake.streams import PriorityStreams
 
 log = logging.getLogger(__name__)
 
 PENDING_SCAN = 100  # pending entries looked at per stream and claim round
-LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers
-
-
-class Heartbeat:
-    """Writes and removes one worker's heartbeat."""
-
-    def __init__(
-        self, client: redis.Redis, settings: Settings, *, worker_name: str, ttl_s: float
-    ) -> None:
-        self.client = client
-        self.keys = Keys(settings.key_prefix)
-        self.worker_name = worker_name
-        self.ttl_ms = max(1, math.ceil(ttl_s * 1000))
-        self.started_at = time.time()
-
-    def beat(self, stats: Mapping[str, str | int | float]) -> None:
-        """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip."""
-        now = time.time()
-        key = self.keys.worker(self.worker_name)
-        pipe = self.client.pipeline(transaction=True)
-        fields: Any = {**stats, "started_at": self.started_at, "beat_at": now}
-        pipe.hset(key, mapping=fields)
-        pipe.pexpire(key, self.ttl_ms)
-        pipe.zadd(self.keys.workers, {self.worker_name: now})
-        pipe.zremrangebyscore(self.keys.workers, "-inf", now - LAPSED_KEEP_S)
-        pipe.execute()
-
-    def remove(self) -> None:
-        """Delete the heartbeat: this worker's leftover entries become claimable at once."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.delete(self.keys.worker(self.worker_name))
-        pipe.zrem(self.keys.workers, self.worker_name)
-        pipe.execute()
 
 
 class Claimer:
     """Finds and claims entries whose owner is dead, for one worker's streams."""
 
-    def __init__(self, client: redis.Redis, intake: Intake, *, claim_idle_s: float) -> None:
+    def __init__(
+        self, client: redis.Redis, streams: PriorityStreams, *, claim_idle_s: float
+    ) -> None:
         self.client = client
-        self.intake = intake
-        self.keys = intake.keys
-        self.worker_name = intake.worker_name
+        self.streams = streams
+        self.keys = streams.keys
+        self.worker_name = streams.worker_name
         self.min_idle_ms = max(0, int(claim_idle_s * 1000))
         # stream -> (entry id, idle ms when listed) of what an earlier process of this name left
         self._inherited: dict[str, list[tuple[str, int]]] = {}
@@ -112,7 +74,7 @@ class Claimer:
         priorities changed) are passed on to a consumer that never beats, ``NAME~gone``, with
         their idle time kept, for the workers that serve them to claim. Returns how many this
         process will take over."""
-        served = set(self.intake.streams.values())
+        served = set(self.streams.stream_of.values())
         for stream in served:
             found = self._own_pending(stream)
             if found:
@@ -187,8 +149,8 @@ class Claimer:
         if budget <= 0:
             return []
         out: list[Entry] = []
-        for p in self.intake.priorities:
-            stream = self.intake.streams[p]
+        for p in self.streams.priorities:
+            stream = self.streams.stream_of[p]
             inherited = self._inherited.get(stream)
             if inherited:
                 take = inherited[: budget - len(out)]
@@ -247,5 +209,5 @@ class Claimer:
             if fields is None:  # deleted meanwhile (finished by someone): drop it from the PEL
                 self.client.xack(stream, CONSUMER_GROUP, entry_id)
                 continue
-            out.append(self.intake.make_entry(stream, entry_id, fields))
+            out.append(self.streams.make_entry(stream, entry_id, fields))
         return out

@@ -7,7 +7,7 @@ Every loop iteration calls :meth:`IntakeReader.poll` with what its engine can ad
   answers at the first arrival, one entry per stream that has one), else the ``PULL`` script
   (most urgent first, up to the budget);
 * a **start**: ``START`` for the entries just read plus a ``PULL`` of what else the budget takes,
-  in one pipeline (``Intake.send_start``); when that pull comes back short the streams were
+  in one pipeline (``Starter.send_start``); when that pull comes back short the streams were
   empty, so the next read is a blocking one.
 
 ``poll`` reads a reply only once it has arrived (an idle loop passes a timeout and sleeps on the
@@ -39,7 +39,10 @@ from typing import Any
 
 import redis
 
-from tokenfleet.worker.intake import Entry, Intake, Job, PendingRead, PendingStart, StartReport
+from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.intake.jobs import Entry, Job, StartReport
+from tokenfleet.worker.intake.starting import PendingStart
+from tokenfleet.worker.intake.streams import PendingRead
 from tokenfleet.worker.pipelined import dedicated_connection
 
 log = logging.getLogger(__name__)
@@ -135,7 +138,9 @@ class IntakeReader:
 
     def _send_read(self, room: int) -> None:
         block_ms = self.block_ms if self._drained else None
-        self._read = self.intake.send_read(room, block_ms=block_ms, connection=self._connection())
+        self._read = self.intake.streams.send_read(
+            room, block_ms=block_ms, connection=self._connection()
+        )
 
     def _unblock(self) -> None:
         """Make the blocking read in flight answer now (with what it has read, if anything)."""
@@ -170,7 +175,8 @@ class IntakeReader:
         return len(pulled)
 
     def _send_start(self, out: Delivery, entries: list[Entry], room: int) -> None:
-        early = self.intake.early_jobs(entries)
+        starter = self.intake.starter
+        early = starter.early_jobs(entries)
         out.early.extend(early)
         budget = 0 if self._stopped else max(0, room)
-        self._start = self.intake.send_start(entries, early, budget, connection=self._connection())
+        self._start = starter.send_start(entries, early, budget, connection=self._connection())

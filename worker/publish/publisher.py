@@ -11,7 +11,12 @@ The same pipeline asks ``SMISMEMBER`` which running requests have a cancellation
 ``send`` writes the round trip and returns at once (a :class:`PendingPublish`); its ``result()``
 reads the replies later. The service's loop sends a step's publish the moment the step ends, on
 its own thread (no hand-off to another thread: clients get the tokens as soon as Redis runs the
-pipeline), and reads the replies after the next step, by when they have arrived.
+pipeline), and reads the replies after the next step, by when they have long arrived.
+
+The publisher holds no request state and changes nothing it is given: it takes the events to
+append (each batch tagged with whatever its caller wants back, the service's ``Job``), the
+finishes (terminal event, entry, whole text) and the ids to check, and its result says what took
+effect; the caller applies that to its own state.
 """
 
 from __future__ import annotations
@@ -19,52 +24,57 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import redis
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.shared.scripts.worker import APPEND_TOKENS, append_tokens_keys_args
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake import Job
 from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
 from tokenfleet.worker.pool.link import PoolCall
 
 _OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
 
+T = TypeVar("T")  # the caller's tag of a batch of token events, handed back when it took effect
+
 
 @dataclass(slots=True)
 class Finish:
-    """A request to finish: its job and its terminal event (``num_tokens`` already set)."""
+    """A request to finish: its terminal event (``num_tokens`` already set) and what ``FINISH``
+    writes besides."""
 
-    job: Job
     event: TerminalEvent
+    priority: Priority  # the level of the stream its entry is in
+    entry_id: str  # its stream entry, acked and deleted when the finish takes effect
+    text: str  # its whole output text, tokens appended in the same round trip included
 
 
 @dataclass(slots=True)
-class StepResult:
+class StepResult(Generic[T]):
     """What the round trip reported back."""
 
+    appended: list[tuple[T, Sequence[TokenEvent]]] = field(default_factory=list)  # now in lists
     lost: set[str] = field(default_factory=set)  # ids another worker holds now: drop locally
     cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
     finished: list[Finish] = field(default_factory=list)  # finishes that took effect
     pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
 
 
-class PendingPublish:
+class PendingPublish(Generic[T]):
     """A publish written to Redis whose replies have not been read yet.
 
-    Invariant: ``result()`` reads the replies once and applies them to the jobs
-    (``num_published``, ``text_parts``); later calls return the same :class:`StepResult` (or
-    raise ``RuntimeError`` if reading them failed).
+    Invariant: ``result()`` reads the replies once; later calls return the same
+    :class:`StepResult` (or raise ``RuntimeError`` if reading them failed).
     """
 
     def __init__(
         self,
         pipe: ScriptPipeline | None,
-        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        tokens: Sequence[tuple[T, Sequence[TokenEvent]]],
         finishes: Sequence[Finish],
         check_cancel: Sequence[str],
         with_pool: bool,
@@ -74,9 +84,14 @@ class PendingPublish:
         self._finishes = finishes
         self._check_cancel = check_cancel
         self._with_pool = with_pool
-        self._result: StepResult | None = None if pipe is not None else StepResult()
+        self._result: StepResult[T] | None = None if pipe is not None else StepResult()
 
-    def result(self) -> StepResult:
+    @property
+    def received(self) -> bool:
+        """Whether the replies have been read (by ``result()``, or by the next ``send``)."""
+        return self._result is not None
+
+    def result(self) -> StepResult[T]:
         """Read the replies (waiting for them if need be) and say what took effect."""
         if self._result is None:
             pipe, self._pipe = self._pipe, None
@@ -85,25 +100,26 @@ class PendingPublish:
             self._result = self._read(pipe.receive())
         return self._result
 
-    def _read(self, replies: list[Any]) -> StepResult:
-        result = StepResult(pool_reply=replies[-1] if self._with_pool else None)
+    def _read(self, replies: list[Any]) -> StepResult[T]:
+        result: StepResult[T] = StepResult(pool_reply=replies[-1] if self._with_pool else None)
         i = 0
         if self._tokens:  # one APPEND_TOKENS reply: "ok", then one reply per request
             per_request = replies[0][1:]
             i = 1
-            for (job, events), reply in zip(self._tokens, per_request, strict=True):
+            appended = result.appended
+            for batch, reply in zip(self._tokens, per_request, strict=True):
                 if reply[0] in _OK:
-                    job.num_published = events[-1].index + 1
-                    job.text_parts.extend(e.text for e in events)
+                    appended.append(batch)
                 else:
-                    result.lost.add(job.request_id)
+                    result.lost.add(batch[1][0].request_id)
         for fin in self._finishes:
             code = replies[i][0]
             i += 1
-            if code != "lost" and fin.job.request_id not in result.lost:
+            rid = fin.event.request_id
+            if code != "lost" and rid not in result.lost:
                 result.finished.append(fin)
             else:
-                result.lost.add(fin.job.request_id)
+                result.lost.add(rid)
         if self._check_cancel:
             flags = replies[i]
             result.cancel_requested = [
@@ -129,7 +145,7 @@ class Publisher:
         self.model_name = model_name
         self.worker_name = worker_name
         self._conn: Any = None
-        self._in_flight: PendingPublish | None = None
+        self._in_flight: PendingPublish[Any] | None = None
 
     def close(self) -> None:
         """Drop the connection (after the last result was read)."""
@@ -139,27 +155,28 @@ class Publisher:
 
     def publish(
         self,
-        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        tokens: Sequence[tuple[T, Sequence[TokenEvent]]],
         finishes: Sequence[Finish],
         check_cancel: Sequence[str] = (),
         pool_call: PoolCall | None = None,
-    ) -> StepResult:
+    ) -> StepResult[T]:
         """:meth:`send`, then wait for its result."""
         return self.send(tokens, finishes, check_cancel, pool_call).result()
 
     def send(
         self,
-        tokens: Sequence[tuple[Job, Sequence[TokenEvent]]],
+        tokens: Sequence[tuple[T, Sequence[TokenEvent]]],
         finishes: Sequence[Finish],
         check_cancel: Sequence[str] = (),
         pool_call: PoolCall | None = None,
-    ) -> PendingPublish:
+    ) -> PendingPublish[T]:
         """Write one pipelined round trip: tokens, then finishes, then the cancel check.
 
-        ``tokens`` pairs a job with its new events, whose indices are consecutive (the script
-        refuses them unless the list ends where they start); once the result is read,
-        ``num_published`` and ``text_parts`` advance. A job's publishes must be sent and read
-        in step order, one at a time: a finish carries the job's text as of the previous result.
+        ``tokens`` pairs a tag (the caller's, handed back in ``StepResult.appended``) with one
+        request's new events, whose indices are consecutive (the script refuses them unless the
+        list ends where they start). A request's publishes must be sent and read in step order,
+        one at a time: the caller applies a result before it sends the request's next events,
+        and a finish carries the whole text, this round trip's tokens included.
         """
         if not tokens and not finishes and not check_cancel and pool_call is None:
             return PendingPublish(None, (), (), (), False)
@@ -178,8 +195,8 @@ class Publisher:
                 now,
                 ttl,
                 [
-                    (job.request_id, events[0].index, [e.encode() for e in events])
-                    for job, events in tokens
+                    (events[0].request_id, events[0].index, [e.encode() for e in events])
+                    for _, events in tokens
                 ],
             )
             pipe.script(APPEND_TOKENS, k, a)
@@ -188,11 +205,11 @@ class Publisher:
                 self.keys,
                 fin.event,
                 model=self.model_name,
-                priority=fin.job.entry.priority,
+                priority=fin.priority,
                 now=now,
                 ttl_s=ttl,
-                stream_id=fin.job.entry.entry_id,
-                extra_fields={"text": fin.job.text + _pending_text(tokens, fin.job)},
+                stream_id=fin.entry_id,
+                extra_fields={"text": fin.text},
                 owner=self.worker_name,
             )
             pipe.script(FINISH, fk, fa)
@@ -204,11 +221,3 @@ class Publisher:
         pending = PendingPublish(pipe, tokens, finishes, check_cancel, pool_call is not None)
         self._in_flight = pending
         return pending
-
-
-def _pending_text(tokens: Sequence[tuple[Job, Sequence[TokenEvent]]], job: Job) -> str:
-    """Text of ``job``'s events in this same round trip (not yet in ``job.text_parts``)."""
-    for j, events in tokens:
-        if j is job:
-            return "".join(e.text for e in events)
-    return ""

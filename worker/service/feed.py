@@ -1,0 +1,222 @@
+"""Feeding the engine from the intake between steps: what it can admit, early starts, started
+jobs and claimed entries.
+
+Early start (``reader``): a new request goes into the engine as soon as it is read, while its
+``START`` is on the wire, so that it joins the step that begins meanwhile; nothing is published
+for it until ``START`` has answered. Answered ok, it becomes a job; refused (cancelled, expired,
+...), it is aborted in the engine and its outputs are dropped; answered ok with tokens to resume
+from (a handback from an older worker that did not mark its entry), it is aborted and added
+again, with its tokens, once the engine has reported the abort. A step whose outputs include an
+early request waits for that answer first (it left before the step began).
+
+The state of each request lives in the ``RunTable``; the :class:`Feeder` does the engine side of
+each transition (add, abort) together with the table's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from tokenfleet.shared.schema import TerminalStatus
+from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.intake.jobs import Entry, Job, StartReport
+from tokenfleet.worker.intake.reader import Delivery, IntakeReader
+from tokenfleet.worker.service.adapter import EngineAdapter
+from tokenfleet.worker.service.engine_port import EnginePort
+from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.run_table import RunTable
+
+log = logging.getLogger(__name__)
+
+INHERIT_RETRY_S = 0.1  # inherited entries waiting for engine room: how often to look again
+
+
+class Feeder:
+    """Moves requests from the intake (``reader``, ``claimer``) into the engine and the table."""
+
+    def __init__(
+        self,
+        intake: Intake,
+        reader: IntakeReader,
+        claimer: Claimer,
+        table: RunTable,
+        adapter: EngineAdapter,
+        outbox: Outbox,
+        metrics: WorkerMetrics,
+        *,
+        worker_name: str,
+    ) -> None:
+        self.intake = intake
+        self.reader = reader
+        self.claimer = claimer
+        self.table = table
+        self.adapter = adapter
+        self.engine: EnginePort = adapter.engine
+        self.outbox = outbox
+        self.metrics = metrics
+        self.worker_name = worker_name
+
+    # -- how much ------------------------------------------------------------------------------
+    def budget(self) -> int:
+        """How many new requests the engine can admit now (slots and an estimate of KV)."""
+        cap = self.engine.capacity()
+        if cap.num_waiting > 0:
+            return 0
+        block_size = max(1, cap.block_size)
+        per_request = max(1, math.ceil((self.adapter.avg_prompt_tokens + 1) / block_size))
+        by_kv = cap.free_kv_blocks // per_request
+        if by_kv == 0 and cap.num_running == 0:
+            by_kv = 1  # an idle engine always takes one: it refuses what can never fit
+        return max(0, min(cap.free_seq_slots, by_kv))
+
+    def read_budget(self) -> int:
+        """How many new entries the intake may read: none while requests inherited from an
+        earlier process of this name wait for room (they are older, and go first)."""
+        return 0 if self.claimer.inheriting else self.budget()
+
+    # -- the intake's round trips --------------------------------------------------------------
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Take in what the reader has (waiting up to ``timeout_s``); leave its next round trip
+        in flight within the read budget."""
+        self.deliver(self.reader.poll(self.read_budget(), timeout_s))
+
+    def claim(self, interval_s: float) -> float:
+        """Claim what dead workers left (inherited entries first) within the engine's room and
+        start it; returns the seconds until the next claim round."""
+        budget = self.budget() - self.reader.held
+        self.admit(self.claimer.claim(budget), claimed=True)
+        pause = interval_s
+        if self.claimer.inheriting:  # left for want of room: again soon
+            pause = 0.0 if budget > 0 else min(pause, INHERIT_RETRY_S)
+        return pause
+
+    def stop(self) -> None:
+        """Stop reading; what the reader had read and now started runs in the grace period."""
+        self.deliver(self.reader.stop())
+
+    def close(self) -> None:
+        """The reader's last round trip answered (what it started and nobody added is left for
+        recovery: claimable once this worker's heartbeat is gone) and its connection closed."""
+        try:
+            leftover = self.reader.stop()  # started, never added: claimable once we are gone
+            if leftover.jobs:
+                log.warning(
+                    "worker %s: %d started requests left for recovery",
+                    self.worker_name,
+                    len(leftover.jobs),
+                )
+        except Exception:  # already failing: the heartbeat must still go
+            log.exception("worker %s: the intake's last round trip failed", self.worker_name)
+        finally:
+            self.reader.close()
+
+    # -- into the engine -----------------------------------------------------------------------
+    def deliver(self, delivery: Delivery) -> None:
+        """Take in what the intake read and started: early jobs go into the engine at once, started
+        jobs become ours, and early jobs whose ``START`` did not answer ok leave the engine."""
+        for report in delivery.reports:
+            self._count(report)
+        resolved_now = set(delivery.resolved)
+        for job in delivery.early:
+            if job.request_id not in resolved_now:  # else its START answer is right here
+                self._add_early(job)
+        for job in delivery.jobs:
+            self._own(job)
+        early = self.table.early
+        for rid in delivery.resolved:
+            if rid in early:  # START refused it (cancelled, expired, ...): never publish
+                self._drop_early(rid, None)
+
+    def admit(self, entries: list[Entry], claimed: bool = False) -> None:
+        """Start ``entries`` (one round trip, waited for) and take in the jobs."""
+        if not entries:
+            return
+        jobs, report = self.intake.starter.start(entries)
+        self._count(report)
+        for job in jobs:
+            if claimed:
+                self.metrics.observe_outcome(job.entry.priority, "claimed")
+                log.info(
+                    "worker %s: resumed %s at index %d (attempt %d)",
+                    self.worker_name,
+                    job.request_id,
+                    job.num_published,
+                    job.attempts,
+                )
+            self._own(job)
+
+    def resolve_early(self, rids: set[str]) -> None:
+        """Wait until every id in ``rids`` that is still early has its ``START`` answer (it is
+        on the wire since before the step that produced its tokens: normally here already)."""
+        early = self.table.early
+        while any(rid in early for rid in rids):
+            delivery = self.reader.resolve()
+            if not delivery:  # no START in flight: these cannot be answered any more
+                for rid in [r for r in rids if r in early]:
+                    self._drop_early(rid, None)
+                return
+            self.deliver(delivery)
+
+    def add(self, job: Job) -> None:
+        """Add a started job to the engine and the table; one the engine refuses ends ``error``
+        at once."""
+        if job.request_id in self.table.jobs:  # delivered twice (cannot happen by protocol)
+            return
+        try:
+            self.adapter.add(job)
+        except (ValueError, TypeError) as exc:
+            code = getattr(exc, "code", "invalid_request")
+            self.outbox.finish_now(
+                job,
+                TerminalStatus.ERROR,
+                code if isinstance(code, str) else "invalid_request",
+                f"the engine refused the request: {exc}",
+            )
+            return
+        self.table.run(job)
+
+    def _own(self, job: Job) -> None:
+        """A started job (``START`` answered ok): make it ours, in the engine."""
+        table = self.table
+        early = table.take_early(job.request_id)
+        if early is not None:
+            if early.entry.key == job.entry.key and not job.resume_token_ids:
+                table.run(job)  # already in the engine, from its first token
+                return
+            self._drop_early(job.request_id, job)  # it has tokens to resume from: start it over
+            return
+        if table.restart_after_abort(job):  # the engine still holds an aborted run of the id
+            return
+        self.add(job)
+
+    def _add_early(self, job: Job) -> None:
+        """Put a request into the engine before its ``START`` has answered (``reader``)."""
+        if self.table.knows(job.request_id):
+            return  # the started job will sort it out
+        deadline = job.request.deadline
+        if deadline is not None and deadline <= time.time():
+            return  # START will refuse it as expired: spare the engine its prefill
+        try:
+            self.adapter.add(job)
+        except (ValueError, TypeError):
+            return  # refused: add() reports it once the request is started
+        self.table.start_early(job)
+
+    def _drop_early(self, rid: str, restart: Job | None) -> None:
+        """Take an early request out of the engine; ``restart``: add it again (with its resume
+        tokens) once the engine has reported the id finished."""
+        self.engine.abort(rid)
+        self.table.abort_early(rid, restart)
+
+    def _count(self, report: StartReport) -> None:
+        for kind, prios in (
+            ("expired", report.expired),
+            ("dead_letter", report.dead_lettered),
+            ("worker_lost", report.poisoned),
+        ):
+            for p in prios:
+                self.metrics.observe_outcome(p, kind)

@@ -1,0 +1,54 @@
+"""This worker's heartbeat: proof of life for the claimers, and its stats for ``tokenfleet status``.
+
+Heartbeat: hash ``P:worker:NAME`` (stats) with a TTL of ``heartbeat_ttl_s``, rewritten every
+``heartbeat_interval_s`` from the service loop (not a thread: a worker whose loop hangs must look
+dead), plus ``ZADD P:workers NAME now`` for ``tokenfleet status``; each beat also drops names
+that have not beaten for ``LAPSED_KEEP_S`` (every restart under ``HOST-PID`` adds a name). Other
+workers claim the entries of a worker whose heartbeat lapsed (``tokenfleet.worker.intake.claimer``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import Settings
+
+LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers
+
+
+class Heartbeat:
+    """Writes and removes one worker's heartbeat."""
+
+    def __init__(
+        self, client: redis.Redis, settings: Settings, *, worker_name: str, ttl_s: float
+    ) -> None:
+        self.client = client
+        self.keys = Keys(settings.key_prefix)
+        self.worker_name = worker_name
+        self.ttl_ms = max(1, math.ceil(ttl_s * 1000))
+        self.started_at = time.time()
+
+    def beat(self, stats: Mapping[str, str | int | float]) -> None:
+        """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip."""
+        now = time.time()
+        key = self.keys.worker(self.worker_name)
+        pipe = self.client.pipeline(transaction=True)
+        fields: Any = {**stats, "started_at": self.started_at, "beat_at": now}
+        pipe.hset(key, mapping=fields)
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.zadd(self.keys.workers, {self.worker_name: now})
+        pipe.zremrangebyscore(self.keys.workers, "-inf", now - LAPSED_KEEP_S)
+        pipe.execute()
+
+    def remove(self) -> None:
+        """Delete the heartbeat: this worker's leftover entries become claimable at once."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.delete(self.keys.worker(self.worker_name))
+        pipe.zrem(self.keys.workers, self.worker_name)
+        pipe.execute()

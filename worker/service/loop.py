@@ -1,0 +1,300 @@
+"""The worker's loop: timers → read → feed → step → publish → ack, until told to stop.
+
+One iteration::
+
+    heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
+    claim_interval_s); poll the intake within what the engine can admit now and feed the engine
+    what it read and started (waiting on Redis only when the engine is idle); engine.step();
+    poll the intake again (what arrived during the step; the round trip this sends has answered
+    by the next iteration's poll, a publish later); read and apply the previous step's publish
+    replies (the ack side), then send this step's publish (tokens, finishes, cancel check: one
+    pipelined round trip) without waiting for its replies; abort what was cancelled.
+
+The loop owns no per-request bookkeeping (``run_table``); its steps live in ``feed``,
+``adapter`` and ``outbox``, the policies in ``step_failure`` and ``handback``.
+
+With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
+before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the
+same publish round trip, applies its reply with the publish's results, keeps the lease alive while
+idle, and leaves the pool on shutdown.
+
+One thread: the loop owns the engine, the run table, publishing and the intake's round trips
+(``IntakeReader``: at most one read or start in flight on its own connection). Every round
+trip is written without waiting and its reply is read at a later step boundary, so Redis works
+while the engine computes and nothing competes with the engine for the GIL mid-step: a publisher
+thread cost each first token about half a millisecond of wake-up and GIL hand-over, and an
+intake thread made the step a request arrived in about 0.9 ms longer. A step's publish is
+written the moment the step ends and its replies are read after the next step (one in flight,
+in step order).
+
+Shutdown (SIGTERM/SIGINT): stop reading and claiming; keep stepping and publishing for up to
+``grace_s`` (a second signal ends the grace at once); hand back what is still running
+(re-queued at the tail of its stream, resumed by any worker from its token list); remove the
+heartbeat; return 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import time
+from typing import Any, cast
+
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.intake import Intake
+from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.intake.reader import IntakeReader
+from tokenfleet.worker.pool.link import PoolEngine, PoolLink
+from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.publish.publisher import Publisher
+from tokenfleet.worker.service.adapter import EngineAdapter, MakeParams, engine_sampling_params
+from tokenfleet.worker.service.engine_port import EnginePort
+from tokenfleet.worker.service.feed import Feeder
+from tokenfleet.worker.service.handback import hand_back
+from tokenfleet.worker.service.heartbeat import Heartbeat
+from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.run_table import RunTable
+from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailures
+from tokenfleet.worker.worker_settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerService:
+    """Runs one engine against the fleet's Redis until stopped (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: EnginePort,
+        settings: Settings,
+        wsettings: WorkerSettings,
+        *,
+        client: redis.Redis | None = None,
+        metrics: WorkerMetrics | None = None,
+        make_params: MakeParams | None = None,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.ws = wsettings
+        self.client = client or redis.Redis.from_url(settings.redis_url)
+        self.metrics = metrics or WorkerMetrics(wsettings.model_name)
+        name = wsettings.name
+        self.intake = Intake(
+            self.client,
+            settings,
+            model_name=wsettings.model_name,
+            priorities=wsettings.priorities,
+            worker_name=name,
+            poison_limit=wsettings.poison_limit,
+            starvation_pulls=wsettings.starvation_pulls,
+        )
+        self.table = RunTable()
+        self.adapter = EngineAdapter(
+            engine,
+            make_params or engine_sampling_params,
+            avg_prompt_tokens=float(wsettings.block_size),
+        )
+        self.pool = self._pool_link()  # the engine's link to a shared KV pool, if any
+        publisher = Publisher(
+            self.client, settings, model_name=wsettings.model_name, worker_name=name
+        )
+        self.outbox = Outbox(
+            publisher, self.table, engine, self.metrics, self.pool, worker_name=name
+        )
+        self.feed = Feeder(
+            self.intake,
+            IntakeReader(self.intake, block_ms=wsettings.block_ms),
+            Claimer(self.client, self.intake.streams, claim_idle_s=wsettings.claim_idle_s),
+            self.table,
+            self.adapter,
+            self.outbox,
+            self.metrics,
+            worker_name=name,
+        )
+        self.failures = StepFailures(self.feed, self.outbox, worker_name=name)
+        self.heartbeat = Heartbeat(
+            self.client, settings, worker_name=name, ttl_s=wsettings.heartbeat_ttl_s
+        )
+        self.stop_requested = False
+        self._hurry = False
+        self.exit_code = 0
+        self._kv_total = 0
+        self._tokens_total = 0
+
+    def _pool_link(self) -> PoolLink | None:
+        """The engine's link to the KV pool of ``--kv-pool``; None without one."""
+        if not self.ws.kv_pool:
+            return None
+        member = KVPoolMember(
+            client=self.client,
+            keys=Keys(self.settings.key_prefix),
+            pool=self.ws.kv_pool,
+            member=self.ws.name,
+            weight=self.ws.share_weight,
+        )
+        return PoolLink(cast(PoolEngine, self.engine).pool_port(), member)
+
+    # -- control ------------------------------------------------------------------------------
+    def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
+        """Begin a graceful shutdown (signal handler); a second call ends the grace period."""
+        if self.stop_requested:
+            log.info("worker %s: second signal: handing back at once", self.ws.name)
+            self._hurry = True
+            return
+        log.info(
+            "worker %s: stopping (signal %s): no new work, grace %.1fs",
+            self.ws.name,
+            signum,
+            self.ws.grace_s,
+        )
+        self.stop_requested = True
+
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        self.intake.streams.ensure_groups()
+        if self.pool is not None:
+            self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
+        self._beat()  # first: from now on nobody else claims what this name holds
+        inherited = self.feed.claimer.inherit()  # before the first read: an earlier process's
+        if inherited:
+            log.warning(
+                "worker %s: %d requests are pending under this name from an earlier process "
+                "(crashed or killed); resuming them",
+                self.ws.name,
+                inherited,
+            )
+        log.info(
+            "worker %s ready: model %s, priorities %s",
+            self.ws.name,
+            self.ws.model_name,
+            ",".join(p.label for p in self.ws.priorities),
+        )
+        now = time.monotonic()
+        next_beat = now + self.ws.heartbeat_interval_s
+        next_claim = now + (0.0 if inherited else random.uniform(0, self.ws.claim_interval_s))
+        grace_deadline: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if self.outbox.in_flight and not self.engine.has_unfinished():
+                    self.outbox.flush()  # idle: apply the last results before blocking on Redis
+                if self.stop_requested and grace_deadline is None:
+                    grace_deadline = now + self.ws.grace_s
+                    self.feed.stop()  # started jobs run in the grace period
+                if now >= next_beat:
+                    self._beat()
+                    next_beat = now + self.ws.heartbeat_interval_s
+                if grace_deadline is None:
+                    if now >= next_claim:
+                        next_claim = now + self.feed.claim(self.ws.claim_interval_s)
+                    idle = not self.engine.has_unfinished()
+                    wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
+                    if idle and self.pool is not None:
+                        wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
+                    self.feed.poll(max(0.0, wait_s))
+                if self.engine.has_unfinished():
+                    self._step()
+                    if self.exit_code:
+                        break
+                elif grace_deadline is not None:
+                    self.outbox.flush()
+                    break
+                if grace_deadline is not None and (
+                    self._hurry or time.monotonic() >= grace_deadline
+                ):
+                    self.hand_back_all()
+                    break
+        finally:
+            self._close()
+        log.info("worker %s stopped (exit %d)", self.ws.name, self.exit_code)
+        return self.exit_code
+
+    # -- one engine step ----------------------------------------------------------------------
+    def _step(self) -> None:
+        try:
+            if self.pool is not None:
+                self.pool.before_step()  # a preemption order from the last reply
+            outputs = self.engine.step()
+        except Exception as exc:
+            if self.failures.failed(exc):
+                self.exit_code = EXIT_ENGINE_BROKEN
+            return
+        if any(out.new_token_ids for out in outputs):
+            self.failures.produced_tokens()
+        # Read what arrived during the step now, before publishing: the round trip this sends
+        # (a START, or the blocking read that follows a drained pull) has answered by the
+        # loop's poll after the publish, so an arrival it finds joins the very next step
+        # (polled only at the loop's top, it waited one step more).
+        self.feed.poll()
+        if self.table.early:
+            self.feed.resolve_early({out.request_id for out in outputs})
+        step = self.adapter.step_events(outputs, self.table)
+        num_new = self.outbox.send_step(step)
+        self._tokens_total += num_new
+        for job in step.restarts:
+            self.feed.add(job)
+        self.outbox.end_cancelled()
+        stats = self.engine.last_step_stats
+        self._kv_total = stats.num_kv_blocks_used + stats.num_kv_blocks_free or self._kv_total
+        self.metrics.observe_step(
+            time.time(), num_new, stats, self.engine.capacity(), self._kv_total
+        )
+
+    # -- shutdown and heartbeat ---------------------------------------------------------------
+    def hand_back_all(self) -> None:
+        """Abort every running request and re-queue it for another worker (one round trip)."""
+        self.outbox.flush()
+        self.feed.resolve_early(set(self.table.early))
+        # started ones whose engine run was taken back, waiting to be added again, go too
+        jobs = self.table.to_hand_back()
+        if not jobs:
+            return
+        hand_back(self.client, self.intake.keys, self.engine, jobs, worker_name=self.ws.name)
+        self.table.handed_back()
+
+    def _close(self) -> None:
+        """The intake's and the publisher's last round trips, then leave the pool and remove the
+        heartbeat, whatever failed before."""
+        self.feed.close()
+        try:
+            self.outbox.flush()
+        except Exception:  # already failing: the heartbeat must still go
+            log.exception("worker %s: publishing failed", self.ws.name)
+        finally:
+            self.outbox.close()
+        if self.pool is not None:
+            try:
+                self.pool.leave()
+            except redis.RedisError:
+                log.exception("worker %s: could not leave its KV pool", self.ws.name)
+        try:
+            self.heartbeat.remove()
+        except redis.RedisError:
+            log.exception("worker %s: could not remove its heartbeat", self.ws.name)
+
+    def _beat(self) -> None:
+        cap = self.engine.capacity()
+        used = self.engine.last_step_stats.num_kv_blocks_used
+        self.heartbeat.beat(
+            {
+                "model": self.ws.model_name,
+                "priorities": ",".join(p.label for p in self.ws.priorities),
+                "running": len(self.table.jobs),
+                "waiting": cap.num_waiting,
+                "kv_blocks_used": used,
+                # before the first step the engine's free blocks are its total
+                "kv_blocks_total": self._kv_total or used + cap.free_kv_blocks,
+                "tokens_total": self._tokens_total,
+                "stopping": int(self.stop_requested),
+                **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
+            }
+        )

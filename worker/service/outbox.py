@@ -1,0 +1,178 @@
+"""The loop's publishing: each step's round trip sent at once, its replies applied a step later.
+
+A step's publish (``Publisher.send``: tokens, finishes, cancel check, the KV-pool step) is
+written the moment the step ends and its replies are read after the next step (one in flight,
+in step order), so Redis works while the engine computes. Applying a result is the loop's
+"ack" side: tokens that took effect advance their jobs, finished and lost jobs leave the
+``RunTable``, cancellations asked are noted, and the pool's reply goes to the pool link.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
+from tokenfleet.worker.intake.jobs import Job, record_published
+from tokenfleet.worker.publish.publisher import Finish, PendingPublish, Publisher, StepResult
+from tokenfleet.worker.service.adapter import StepEvents
+from tokenfleet.worker.service.engine_port import EnginePort
+from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.run_table import RunTable
+
+log = logging.getLogger(__name__)
+
+
+class PoolSteps(Protocol):
+    """What the outbox does with the engine's KV-pool link (``PoolLink``), if it has one."""
+
+    def plan(self) -> Any:
+        """The pool call to add to this step's publish (after the last reply was applied)."""
+
+    def abandon(self) -> None:
+        """The call in flight failed: forget it."""
+
+    def after_execute(self, reply: Any) -> object:
+        """Apply the pool call's reply (what it returns is not used)."""
+
+
+class Outbox:
+    """Sends each step's publish and applies the results, in step order.
+
+    Invariant: ``_inflight`` holds the publishes sent whose results are not applied yet, oldest
+    first: at most one between steps (every send first applies what is in flight), so a job's
+    progress is current whenever a publish for it is built.
+    """
+
+    def __init__(
+        self,
+        publisher: Publisher,
+        table: RunTable,
+        engine: EnginePort,
+        metrics: WorkerMetrics,
+        pool: PoolSteps | None,
+        *,
+        worker_name: str,
+    ) -> None:
+        self.publisher = publisher
+        self.table = table
+        self.engine = engine
+        self.metrics = metrics
+        self.pool = pool
+        self.worker_name = worker_name
+        self._inflight: deque[PendingPublish[Job]] = deque()  # sent, replies not yet applied
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a publish was sent whose result is not applied yet."""
+        return bool(self._inflight)
+
+    def send_step(self, step: StepEvents) -> int:
+        """Apply the previous step's round trip, then send this step's without waiting; returns
+        the number of token events sent.
+
+        One round trip is in flight while the engine computes the next step (the tokens reach
+        clients as soon as Redis runs it); its results (finishes, lost requests, cancellations)
+        are applied one step late. A finish carries its job's text as of that result, plus its
+        events in this round trip.
+        """
+        finishing = {job.request_id for job, _, _ in step.finishes}
+        check = [rid for rid in self.table.jobs if rid not in finishing]
+        self.flush()
+        ends = [finish_of(job, event, events) for job, event, events in step.finishes]
+        call = self.pool.plan() if self.pool is not None else None
+        try:
+            pending = self.publisher.send(step.tokens, ends, check, call)
+        except BaseException:
+            if self.pool is not None:
+                self.pool.abandon()
+            raise
+        self._inflight.append(pending)
+        num_new = 0
+        per_priority: dict[Priority, int] = {}  # bookkeeping once the round trip is on its way
+        for job, events in step.tokens:
+            num_new += len(events)
+            p = job.entry.priority
+            per_priority[p] = per_priority.get(p, 0) + len(events)
+        for p, n in per_priority.items():
+            self.metrics.observe_tokens(p, n)
+        return num_new
+
+    def flush(self) -> None:
+        """Read the replies of every publish in flight (waiting if need be) and apply them."""
+        while self._inflight:
+            try:
+                result = self._inflight.popleft().result()
+            except BaseException:
+                if self.pool is not None:
+                    self.pool.abandon()
+                raise
+            self._apply(result)
+
+    def finish_now(self, job: Job, status: TerminalStatus, code: str | None, message: str) -> None:
+        """Finish ``job`` synchronously (callers flush first if it may have tokens in flight)."""
+        event = TerminalEvent(
+            job.request_id, status, num_tokens=job.num_published, code=code, message=message
+        )
+        result: StepResult[Job] = self.publisher.publish([], [finish_of(job, event)])
+        self.table.remove(job.request_id)
+        if result.finished:
+            self.metrics.observe_finish(job.entry.priority, status.value, None, 0, {})
+
+    def finish_all_now(self, finishes: list[Finish]) -> None:
+        """Publish ``finishes`` synchronously, apply the result (which counts them in the
+        metrics) and drop their jobs, whether the finishes took effect or not."""
+        self._apply(self.publisher.publish([], finishes))
+        for fin in finishes:
+            self.table.remove(fin.event.request_id)
+
+    def end_cancelled(self) -> None:
+        """Abort and finish ``cancelled`` every running request whose cancellation was asked."""
+        if not self.table.cancels:
+            return
+        self.flush()  # the request's last tokens must be in its list before its terminal event
+        for rid in self.table.take_cancels():
+            job = self.table.jobs.get(rid)
+            if job is not None:
+                self.engine.abort(rid)
+                self.finish_now(
+                    job, TerminalStatus.CANCELLED, None, "cancelled by the client while running"
+                )
+
+    def close(self) -> None:
+        """Drop the publisher's connection (after the last flush)."""
+        self.publisher.close()
+
+    def _apply(self, result: StepResult[Job]) -> None:
+        if self.pool is not None and result.pool_reply is not None:
+            self.pool.after_execute(result.pool_reply)
+        record_published(result.appended)
+        table = self.table
+        for fin in result.finished:
+            ev = fin.event
+            table.remove(ev.request_id)
+            self.metrics.observe_finish(
+                fin.priority,
+                ev.status.value,
+                ev.finish_reason,
+                ev.usage.get("prompt_tokens", 0),
+                ev.timings,
+            )
+        for rid in result.lost:
+            if table.remove(rid) is not None:
+                log.warning(
+                    "worker %s: %s is now held by another worker; dropped here",
+                    self.worker_name,
+                    rid,
+                )
+                self.engine.abort(rid)
+        table.request_cancels(result.cancel_requested)
+
+
+def finish_of(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:
+    """``job``'s finish with ``event``: its text so far plus ``events`` (in the same round trip)."""
+    text = job.text + "".join(e.text for e in events)
+    return Finish(event, job.entry.priority, job.entry.entry_id, text)
