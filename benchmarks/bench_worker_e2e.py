@@ -109,7 +109,10 @@ class Side:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", help="model folder (default: the cached tiny llama)")
+    p.add_argument(
+        "--model",
+        help="bundled name (smollm2), .gguf file or model folder (default: the cached tiny llama)",
+    )
     p.add_argument("--requests", type=int, default=64, help="requests, engine-bench workload")
     p.add_argument("--rate", type=float, default=20.0, help="arrivals/s, engine-bench workload")
     p.add_argument("--heavy-requests", type=int, default=96)
@@ -311,7 +314,12 @@ def main() -> int:
     from tokenfleet.worker.devtools.tiny_model import cached_tiny_model
 
     torch.set_num_threads(1)
-    model = args.model or str(cached_tiny_model())
+    if args.model:
+        from tokenfleet.worker.models.resolve import resolve_model
+
+        model = str(resolve_model(args.model))  # a bundled name or GGUF file: its folder
+    else:
+        model = str(cached_tiny_model())
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(model))
