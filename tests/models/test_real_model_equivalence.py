@@ -115,3 +115,36 @@ def test_all_prompts_together_with_joins_chunks_and_preemption(
         note = check_same(hf_smollm2, prompt, got[f"r{i}"], theirs)
         ties += [note] if note else []
     assert len(ties) <= 1, ties
+
+
+def test_stop_strings_end_where_hf_stops(
+    smollm2_dir: Path, hf_smollm2: Any, smollm2_tokenizer: Any, chat_prompts: list[list[int]]
+) -> None:
+    """HF ``generate(stop_strings=...)`` stops on the token that completes the stop string and
+    keeps it; the engine stops on that same token and ends its text just before the stop string
+    (the OpenAI convention the gateway needs): same tokens, text cut at the stop string."""
+    engine = Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+    stops = [". ", "\n"]
+    for prompt in chat_prompts[:4]:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = hf_smollm2.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+                stop_strings=stops,
+                tokenizer=smollm2_tokenizer,
+            )
+        theirs = [int(t) for t in out[0, len(prompt) :]]
+        hf_text = smollm2_tokenizer.decode(theirs, skip_special_tokens=True)
+        (ours,) = engine.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, stop=stops)
+        )
+        assert ours.token_ids == theirs, (ours.text, hf_text)
+        if any(stop in hf_text for stop in stops):
+            assert ours.finish_reason is not None and ours.finish_reason.value == "stop"
+            first = min(hf_text.index(stop) for stop in stops if stop in hf_text)
+            assert ours.text == hf_text[:first], (ours.text, hf_text)
+        else:  # no stop string within max_tokens: both ran to the length limit
+            assert ours.text == hf_text

@@ -100,3 +100,5 @@ def test_a_worker_returns_what_the_engine_returns(
     assert "Paris" in results[0].text
     log = log_path.read_text()
     assert "134.5M parameters" in log and "KV cache" in log  # the startup line
+    # the default 256 MiB of KV holds fewer tokens than SmolLM2's context: said, not silent
+    assert "below the model's context of 8192" in log
