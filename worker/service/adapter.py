@@ -51,11 +51,13 @@ class EngineAdapter:
         self.make_params = make_params
         self.avg_prompt_tokens = avg_prompt_tokens
 
-    def add(self, job: Job) -> None:
-        """``engine.add_request`` for ``job`` (raises what it raises: ``InvalidRequest`` for
-        messages the chat template refuses, ``ValueError`` or ``TypeError`` from the engine)."""
+    def add(self, job: Job, token_ids: list[int] | None = None) -> None:
+        """``engine.add_request`` for ``job``, with its prompt's ``token_ids`` if they were
+        prepared already (off the loop), else built here (raises what it raises:
+        ``InvalidRequest`` for messages the chat template refuses, ``ValueError`` or
+        ``TypeError`` from the engine)."""
         req = job.request
-        prompt = self.prompt(req)
+        prompt = self.prompt(req) if token_ids is None else token_ids
         self.engine.add_request(
             req.request_id,
             prompt,
@@ -72,19 +74,25 @@ class EngineAdapter:
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
         if req.messages is not None:
-            tok = self.engine.tokenizer
-            if not getattr(tok, "chat_template", None):
-                raise InvalidRequest("this model's tokenizer has no chat template; send a prompt")
-            try:
-                text = tok.apply_chat_template(
-                    list(req.messages), tokenize=False, add_generation_prompt=True
-                )
-            except Exception as exc:  # jinja2's TemplateError, or what the template raises
-                raise InvalidRequest(
-                    f"the model's chat template refused these messages: {exc}"
-                ) from exc
-            return list(tok(text, add_special_tokens=False)["input_ids"])
+            text = self.chat_text(req)
+            return list(self.engine.tokenizer(text, add_special_tokens=False)["input_ids"])
         return req.prompt or ""
+
+    def chat_text(self, req: GenerationRequest) -> str:
+        """``req.messages`` rendered by the model's chat template (``InvalidRequest`` if it has
+        none or refuses them). Only reads the tokenizer: callable from the prompt thread."""
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise InvalidRequest("this model's tokenizer has no chat template; send a prompt")
+        try:
+            text: str = tok.apply_chat_template(
+                list(req.messages or ()), tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2's TemplateError, or what the template raises
+            raise InvalidRequest(
+                f"the model's chat template refused these messages: {exc}"
+            ) from exc
+        return text
 
     def step_events(self, outputs: list[RequestOutput], table: RunTable) -> StepEvents:
         """The wire events of one step's ``outputs``: tokens and finishes of ``table``'s jobs;

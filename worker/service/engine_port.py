@@ -23,6 +23,10 @@ class EnginePort(Protocol):
         """The model's Hugging Face tokenizer (chat templates; the prompts of ``messages``)."""
 
     @property
+    def max_model_len(self) -> int:
+        """Prompt + output tokens per request at most (longer prompts are refused)."""
+
+    @property
     def last_step_stats(self) -> StepStats:
         """The last step's stats (an empty ``StepStats`` before the first step)."""
 

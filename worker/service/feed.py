@@ -9,6 +9,11 @@ from (a handback from an older worker that did not mark its entry), it is aborte
 again, with its tokens, once the engine has reported the abort. A step whose outputs include an
 early request waits for that answer first (it left before the step began).
 
+Long prompts (``prompt_prep``): a prompt whose length alone proves it cannot fit is refused
+(``error``/``prompt_too_long``) without tokenizing it; one over ``INLINE_PROMPT_CHARS`` is not
+started early but tokenized on a thread once started (``preparing`` in the table), and added to
+the engine by the first poll after its tokens are ready, so the loop keeps stepping meanwhile.
+
 The state of each request lives in the ``RunTable``; the :class:`Feeder` does the engine side of
 each transition (add, abort) together with the table's.
 """
@@ -28,11 +33,13 @@ from tokenfleet.worker.service.adapter import EngineAdapter
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.metrics import WorkerMetrics
 from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.prompt_prep import Prepared, PromptPrep, PromptTooLong
 from tokenfleet.worker.service.run_table import RunTable
 
 log = logging.getLogger(__name__)
 
 INHERIT_RETRY_S = 0.1  # inherited entries waiting for engine room: how often to look again
+PREPARED_POLL_S = 0.002  # prompts being prepared: the longest an idle poll sleeps on Redis
 
 
 class Feeder:
@@ -49,6 +56,7 @@ class Feeder:
         metrics: WorkerMetrics,
         *,
         worker_name: str,
+        prep: PromptPrep | None = None,
     ) -> None:
         self.intake = intake
         self.reader = reader
@@ -59,6 +67,9 @@ class Feeder:
         self.outbox = outbox
         self.metrics = metrics
         self.worker_name = worker_name
+        self.prep = prep or PromptPrep(
+            self.engine.tokenizer, self.engine.max_model_len, adapter.chat_text
+        )
 
     # -- how much ------------------------------------------------------------------------------
     def budget(self) -> int:
@@ -71,7 +82,8 @@ class Feeder:
         by_kv = cap.free_kv_blocks // per_request
         if by_kv == 0 and cap.num_running == 0:
             by_kv = 1  # an idle engine always takes one: it refuses what can never fit
-        return max(0, min(cap.free_seq_slots, by_kv))
+        # prompts being prepared take their slots before the engine knows them
+        return max(0, min(cap.free_seq_slots, by_kv) - len(self.table.preparing))
 
     def read_budget(self) -> int:
         """How many new entries the intake may read: none while requests inherited from an
@@ -81,8 +93,22 @@ class Feeder:
     # -- the intake's round trips --------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:
         """Take in what the reader has (waiting up to ``timeout_s``); leave its next round trip
-        in flight within the read budget."""
+        in flight within the read budget); add the prompts prepared meanwhile."""
+        if self.table.preparing:  # their tokens are what the loop waits for, too
+            timeout_s = min(timeout_s, PREPARED_POLL_S)
         self.deliver(self.reader.poll(self.read_budget(), timeout_s))
+        self.add_prepared()
+
+    def add_prepared(self, timeout_s: float = 0.0) -> bool:
+        """Add to the engine the jobs whose prompts are prepared (waiting up to ``timeout_s`` for
+        one); refused ones end ``error``. Whether any job is still on its way into the engine
+        (being prepared) or went into it now."""
+        if not self.table.preparing:
+            return False
+        ready = self.prep.finished(timeout_s)
+        for prepared in ready:
+            self._add_prepared(prepared)
+        return bool(ready) or bool(self.table.preparing)
 
     def claim(self, interval_s: float) -> float:
         """Claim what dead workers left (inherited entries first) within the engine's room and
@@ -113,6 +139,7 @@ class Feeder:
             log.exception("worker %s: the intake's last round trip failed", self.worker_name)
         finally:
             self.reader.close()
+            self.prep.close()
 
     # -- into the engine -----------------------------------------------------------------------
     def deliver(self, delivery: Delivery) -> None:
@@ -164,20 +191,47 @@ class Feeder:
     def add(self, job: Job) -> None:
         """Add a started job to the engine and the table; one the engine refuses ends ``error``
         at once."""
-        if job.request_id in self.table.jobs:  # delivered twice (cannot happen by protocol)
-            return
+        table = self.table
+        if job.request_id in table.jobs or job.request_id in table.preparing:
+            return  # delivered twice (cannot happen by protocol)
         try:
+            self.prep.check(job.request)  # refused on its length alone: never tokenized
+            if self.prep.off_loop(job.request):
+                self.prep.submit(job)
+                table.prepare(job)
+                return
             self.adapter.add(job)
         except (ValueError, TypeError) as exc:
-            code = getattr(exc, "code", "invalid_request")
-            self.outbox.finish_now(
-                job,
-                TerminalStatus.ERROR,
-                code if isinstance(code, str) else "invalid_request",
-                f"the engine refused the request: {exc}",
-            )
+            self._refuse(job, exc)
+            return
+        table.run(job)
+
+    def _add_prepared(self, prepared: Prepared) -> None:
+        """A prompt prepared off the loop: its job goes into the engine, or ends ``error``."""
+        job = self.table.take_prepared(prepared.job.request_id)
+        if job is None:  # handed back while its prompt was prepared
+            return
+        try:
+            if prepared.error is not None:
+                raise prepared.error
+            self.adapter.add(job, prepared.token_ids)
+        except (ValueError, TypeError) as exc:
+            self._refuse(job, exc)
             return
         self.table.run(job)
+
+    def _refuse(self, job: Job, exc: ValueError | TypeError) -> None:
+        """End ``job`` ``error`` at once: its prompt cannot fit, or the engine refused it."""
+        code = getattr(exc, "code", "invalid_request")
+        message = (
+            str(exc) if isinstance(exc, PromptTooLong) else f"the engine refused the request: {exc}"
+        )
+        self.outbox.finish_now(
+            job,
+            TerminalStatus.ERROR,
+            code if isinstance(code, str) else "invalid_request",
+            message,
+        )
 
     def _own(self, job: Job) -> None:
         """A started job (``START`` answered ok): make it ours, in the engine."""
@@ -201,6 +255,9 @@ class Feeder:
         if deadline is not None and deadline <= time.time():
             return  # START will refuse it as expired: spare the engine its prefill
         try:
+            self.prep.check(job.request)
+            if self.prep.off_loop(job.request):
+                return  # prepared off the loop once started (add)
             self.adapter.add(job)
         except (ValueError, TypeError):
             return  # refused: add() reports it once the request is started

@@ -53,7 +53,7 @@ from tokenfleet.worker.pool.member import KVPoolMember
 from tokenfleet.worker.publish.publisher import Publisher
 from tokenfleet.worker.service.adapter import EngineAdapter, MakeParams, engine_sampling_params
 from tokenfleet.worker.service.engine_port import EnginePort
-from tokenfleet.worker.service.feed import Feeder
+from tokenfleet.worker.service.feed import PREPARED_POLL_S, Feeder
 from tokenfleet.worker.service.handback import hand_back
 from tokenfleet.worker.service.heartbeat import Heartbeat
 from tokenfleet.worker.service.metrics import WorkerMetrics
@@ -205,8 +205,8 @@ class WorkerService:
                     self._step()
                     if self.exit_code:
                         break
-                elif grace_deadline is not None:
-                    self.outbox.flush()
+                elif grace_deadline is not None and not self.feed.add_prepared(PREPARED_POLL_S):
+                    self.outbox.flush()  # (nothing left, not even a prompt being prepared)
                     break
                 if grace_deadline is not None and (
                     self._hurry or time.monotonic() >= grace_deadline

@@ -17,7 +17,7 @@ class InvariantViolation(RuntimeError):
 
 
 class RunTable:
-    """Jobs, early starts and aborted runs, by request id.
+    """Jobs, early starts, prompts being prepared and aborted runs, by request id.
 
     * ``jobs`` holds exactly the requests this worker owns in Redis (record ``running`` with its
       name) and has added to its engine, except those in ``aborting`` waiting to be added again;
@@ -25,17 +25,19 @@ class RunTable:
       another worker.
     * ``early`` holds the requests in the engine whose ``START`` has not answered (early start:
       nothing is published for them until it has).
+    * ``preparing`` holds started jobs (owned in Redis, like ``jobs``) whose long prompts are
+      being tokenized off the loop (``prompt_prep``): not in the engine yet.
     * ``aborting`` holds the requests aborted in the engine whose end it has not reported yet
       (their outputs are dropped), each with the job to add again once it has, or None.
     * ``cancels`` holds ids whose cancellation was asked while running, to be aborted and
       finished ``cancelled`` (ids no longer in ``jobs`` are skipped then).
 
-    The three maps are read directly (the step's outputs are sorted against them) but changed
+    The four maps are read directly (the step's outputs are sorted against them) but changed
     only through the transitions below, and never replaced by other dicts.
 
     Invariants (:meth:`check_invariants` raises :class:`InvariantViolation` on each):
 
-    1. no id is in two of ``jobs``, ``early`` and ``aborting``;
+    1. no id is in two of ``jobs``, ``early``, ``preparing`` and ``aborting``;
     2. each job is filed under its own request id (in ``aborting``: the job to add again);
     3. an early job was never started: attempts 0, no tokens to resume, none published;
     4. each job's progress is whole: ``len(text_parts) == num_published``, and the tokens it
@@ -45,13 +47,19 @@ class RunTable:
     def __init__(self) -> None:
         self.jobs: dict[str, Job] = {}
         self.early: dict[str, Job] = {}  # in the engine, START not answered yet (reader)
+        self.preparing: dict[str, Job] = {}  # started, prompt being tokenized off the loop
         self.aborting: dict[str, Job | None] = {}  # aborted in the engine, end not reported yet
         self.cancels: set[str] = set()
 
     # -- questions ----------------------------------------------------------------------------
     def knows(self, request_id: str) -> bool:
-        """Whether the engine holds a run of ``request_id`` this table accounts for."""
-        return request_id in self.jobs or request_id in self.early or request_id in self.aborting
+        """Whether this table accounts for ``request_id`` (in the engine, or on its way)."""
+        return (
+            request_id in self.jobs
+            or request_id in self.early
+            or request_id in self.aborting
+            or request_id in self.preparing
+        )
 
     # -- transitions --------------------------------------------------------------------------
     def start_early(self, job: Job) -> None:
@@ -65,6 +73,15 @@ class RunTable:
     def run(self, job: Job) -> None:
         """``job`` is started and in the engine (added now, or early and answered ok)."""
         self.jobs[job.request_id] = job
+
+    def prepare(self, job: Job) -> None:
+        """``job`` is started and its prompt is being prepared off the loop."""
+        self.preparing[job.request_id] = job
+
+    def take_prepared(self, request_id: str) -> Job | None:
+        """Its prompt is ready (or refused): the job leaves ``preparing`` (None if it had left:
+        handed back meanwhile)."""
+        return self.preparing.pop(request_id, None)
 
     def abort_early(self, request_id: str, restart: Job | None) -> None:
         """The early run of ``request_id`` was aborted in the engine; ``restart``: the job to add
@@ -101,15 +118,17 @@ class RunTable:
 
     def to_hand_back(self) -> list[Job]:
         """Every job to hand back on shutdown: the running ones, then those waiting to be added
-        again (which stop waiting: their aborted runs' ends are still dropped)."""
+        again (which stop waiting: their aborted runs' ends are still dropped), then those whose
+        prompts are being prepared."""
         waiting = [job for job in self.aborting.values() if job is not None]
         for rid in self.aborting:  # in place: the maps are never replaced
             self.aborting[rid] = None
-        return list(self.jobs.values()) + waiting
+        return list(self.jobs.values()) + waiting + list(self.preparing.values())
 
     def handed_back(self) -> None:
         """Every running job was handed back: none is this worker's any more."""
         self.jobs.clear()
+        self.preparing.clear()
 
     # -- invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -120,7 +139,9 @@ class RunTable:
             raise InvariantViolation(f"invariant 1: {rid!r} is in jobs and early or aborting")
         for rid in early.keys() & aborting.keys():
             raise InvariantViolation(f"invariant 1: {rid!r} is in early and aborting")
-        filed = [*jobs.items(), *early.items()]
+        for rid in self.preparing.keys() & (jobs.keys() | early.keys() | aborting.keys()):
+            raise InvariantViolation(f"invariant 1: {rid!r} is preparing and in another map")
+        filed = [*jobs.items(), *early.items(), *self.preparing.items()]
         filed += [(rid, job) for rid, job in aborting.items() if job is not None]
         for rid, job in filed:
             if job.request_id != rid:
