@@ -114,6 +114,29 @@ def test_invariant_1_catches_an_id_early_and_aborting() -> None:
         table.check_invariants()
 
 
+@pytest.mark.parametrize("other", ["jobs", "early", "aborting"])
+def test_invariant_1_catches_a_preparing_id_in_another_map(other: str) -> None:
+    table = RunTable()
+    table.prepare(_job("a"))
+    table.check_invariants()
+    getattr(table, other)["a"] = _early("a") if other == "early" else _job("a")
+    with pytest.raises(InvariantViolation, match="invariant 1"):
+        table.check_invariants()
+
+
+def test_preparing_jobs_are_handed_back_and_leave_once_prepared() -> None:
+    table = RunTable()
+    table.run(_job("a"))
+    table.prepare(_job("b"))
+    assert table.knows("b") and table.take_prepared("b") is not None
+    assert table.take_prepared("b") is None and not table.knows("b")
+    table.prepare(_job("c"))
+    assert [j.request_id for j in table.to_hand_back()] == ["a", "c"]
+    table.handed_back()
+    assert not table.jobs and not table.preparing
+    table.check_invariants()
+
+
 @pytest.mark.parametrize("where", ["jobs", "early", "aborting"])
 def test_invariant_2_catches_a_job_filed_under_another_id(where: str) -> None:
     table = RunTable()
