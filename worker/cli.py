@@ -3,9 +3,9 @@
 Each command module defines ``register(subparsers) -> None`` that adds its parser and sets
 ``func`` (a callable taking the parsed namespace and returning an exit code); ``COMMANDS`` lists
 those ``register`` functions, imported by name below, in the order ``--help`` shows them. The
-commands come from three places: the producer's (``submit``, ``queues``), the service's
-(``worker``, ``models``, ``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``,
-``bench``).
+commands come from three places: the producer's (``submit``, ``get``, ``follow``, ``cancel``,
+``queues``), the service's (``worker``, ``models``, ``status``, ``pool``) and the dev tooling's
+(``demo``, ``make-tiny-model``, ``bench``).
 
 Invariant: importing this module imports no torch or transformers. Command modules import heavy
 dependencies inside ``func``, never at import time, so ``tokenfleet submit`` works in the base
@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenfleet.producer.commands import queues, submit
+from tokenfleet.producer.commands import cancel, follow, get, queues, submit
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
@@ -37,6 +37,9 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     worker.register,
     models.register,
     submit.register,
+    get.register,
+    follow.register,
+    cancel.register,
     queues.register,
     status.register,
     make_tiny_model.register,
