@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
+
 from tokenfleet.producer.commands import cancel, follow, get, queues, submit
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
@@ -72,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except TokenfleetError as exc:
         print(f"tokenfleet {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError) as exc:
+        # a Redis user without this command's rights (README, "Redis ACL roles")
+        print(f"tokenfleet {args.command}: Redis refused: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
