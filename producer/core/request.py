@@ -91,6 +91,9 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     raise InvalidRequest(f"stop must be a string or a list of strings, got {stop!r}")
 
 
+_NO_IDS: tuple[int, ...] = ()  # the default: skips the check on submit's hot path
+
+
 def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
     if isinstance(ids, Sequence) and not isinstance(ids, str | bytes | bytearray):
         return tuple(ids)
@@ -117,7 +120,7 @@ def build(
     top_p: float = 1.0,
     top_k: int = 0,
     stop: str | Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
+    stop_token_ids: Sequence[int] = _NO_IDS,
     ignore_eos: bool = False,
     seed: int | None = None,
     priority: str | int | Priority = "normal",
@@ -146,7 +149,9 @@ def build(
         top_k=top_k,
         seed=seed,
         stop=_stop_strings(stop),
-        stop_token_ids=_token_ids("stop_token_ids", stop_token_ids),
+        stop_token_ids=(
+            _NO_IDS if stop_token_ids is _NO_IDS else _token_ids("stop_token_ids", stop_token_ids)
+        ),
         ignore_eos=ignore_eos,
     )
     sampling.check_limit(settings.max_tokens_limit)
