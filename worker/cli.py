@@ -3,9 +3,9 @@
 Each command module defines ``register(subparsers) -> None`` that adds its parser and sets
 ``func`` (a callable taking the parsed namespace and returning an exit code); ``COMMANDS`` lists
 those ``register`` functions, imported by name below, in the order ``--help`` shows them. The
-commands come from three places: the producer's (``submit``, ``queues``), the service's
-(``worker``, ``models``, ``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``,
-``bench``).
+commands come from three places: the producer's (``submit``, ``get``, ``follow``, ``cancel``,
+``queues``), the service's (``worker``, ``models``, ``status``, ``pool``) and the dev tooling's
+(``demo``, ``make-tiny-model``, ``bench``).
 
 Invariant: importing this module imports no torch or transformers. Command modules import heavy
 dependencies inside ``func``, never at import time, so ``tokenfleet submit`` works in the base
@@ -25,7 +25,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tokenfleet.producer.commands import queues, submit
+import redis
+
+from tokenfleet.producer.commands import cancel, follow, get, queues, submit
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
@@ -37,6 +39,9 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     worker.register,
     models.register,
     submit.register,
+    get.register,
+    follow.register,
+    cancel.register,
     queues.register,
     status.register,
     make_tiny_model.register,
@@ -69,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except TokenfleetError as exc:
         print(f"tokenfleet {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError) as exc:
+        # a Redis user without this command's rights (README, "Redis ACL roles")
+        print(f"tokenfleet {args.command}: Redis refused: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

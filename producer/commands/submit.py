@@ -2,22 +2,25 @@
 
 The request is a plain prompt (``submit "Once upon a time"``), one user turn through the model's
 chat template (``submit --chat "What is Redis?"``, with ``--system TEXT`` for a system turn), or a
-whole conversation (``--messages FILE``, ``-`` for stdin: a JSON array of ``{"role", "content"}``).
+whole conversation (``--messages FILE``, ``-`` for stdin: a JSON array of ``{"role", "content"}``)
+or token ids (``--token-ids 1,2,3``). Every wire option has a flag; exit statuses are in
+``output``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from tokenfleet.producer.client import Client
+from tokenfleet.producer.commands import output
 from tokenfleet.shared.errors import InvalidRequest, RequestFailed
 from tokenfleet.shared.priority import PRIORITIES
-from tokenfleet.shared.schema import TokenEvent
 from tokenfleet.shared.settings import Settings
 
 
@@ -42,11 +45,35 @@ def register(subparsers: Any) -> None:
         metavar="FILE",
         help="a JSON array of {role, content} chat turns from FILE ('-': stdin)",
     )
+    p.add_argument(
+        "--token-ids",
+        default=None,
+        metavar="IDS",
+        help="the prompt as comma-separated token ids (instead of PROMPT)",
+    )
     p.add_argument("--priority", choices=[x.label for x in PRIORITIES], default="normal")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="end the text before TEXT (repeatable)",
+    )
+    p.add_argument(
+        "--stop-token-id",
+        action="append",
+        type=int,
+        default=[],
+        metavar="ID",
+        help="end after this token id (repeatable)",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the model's EOS")
+    p.add_argument("--metadata", default=None, metavar="JSON", help="a small JSON object")
     p.add_argument("--model", default=None, help="served model name (default: 'default')")
     p.add_argument("--request-id", default=None, help="idempotent id (default: generated)")
     p.add_argument(
@@ -61,7 +88,13 @@ def register(subparsers: Any) -> None:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="give up waiting for the result after SECONDS",
+        help="stop waiting after SECONDS (a 'block' queue's wait included): print the "
+        "request's state and exit 3; the request goes on",
+    )
+    p.add_argument(
+        "--cancel-on-timeout",
+        action="store_true",
+        help="with --timeout: cancel the request when the timeout passes",
     )
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument(
@@ -69,19 +102,27 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print JSON: the result, or with --stream one event per line",
     )
-    p.add_argument("--detach", action="store_true", help="print the request id and exit")
+    p.add_argument(
+        "--detach",
+        action="store_true",
+        help="print the request id and exit (then: tokenfleet get/follow/cancel ID)",
+    )
     p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
     p.set_defaults(func=run)
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(orjson.dumps(data).decode() + "\n")
-    sys.stdout.flush()
 
 
 def _input(args: argparse.Namespace) -> dict[str, Any]:
     """``prompt=`` or ``messages=`` for ``submit`` from the flags; ``InvalidRequest`` if they
     contradict each other or a messages file cannot be read."""
+    if args.token_ids is not None:
+        if args.prompt is not None or args.chat or args.messages is not None:
+            raise InvalidRequest("--token-ids is the whole prompt: give no PROMPT or --messages")
+        try:
+            return {"prompt": [int(t) for t in args.token_ids.split(",")]}
+        except ValueError:
+            raise InvalidRequest(
+                f"--token-ids must be comma-separated integers, got {args.token_ids!r}"
+            ) from None
     if args.messages is not None:
         if args.prompt is not None or args.chat or args.system is not None:
             raise InvalidRequest("--messages takes the whole conversation: give no PROMPT")
@@ -92,7 +133,7 @@ def _input(args: argparse.Namespace) -> dict[str, Any]:
             raise InvalidRequest(f"--messages {args.messages}: {exc}") from None
         return {"messages": messages}
     if args.prompt is None:
-        raise InvalidRequest("give a PROMPT (or --messages FILE)")
+        raise InvalidRequest("give a PROMPT (or --messages FILE, or --token-ids IDS)")
     if args.chat:
         turns = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {"messages": [*turns, {"role": "user", "content": args.prompt}]}
@@ -101,62 +142,74 @@ def _input(args: argparse.Namespace) -> dict[str, Any]:
     return {"prompt": args.prompt}
 
 
-def _show_text(text: str, usage: dict[str, int], finish_reason: str | None) -> None:
-    """The result's text, or a note on stderr when the model generated nothing at all (an empty
-    line would look like a fault)."""
-    if usage.get("completion_tokens", len(text)) == 0 and not text:
-        print(f"(no tokens generated: finish_reason {finish_reason})", file=sys.stderr)
-    else:
-        print(text)
+def _params(args: argparse.Namespace) -> dict[str, Any]:
+    """Every wire option ``submit`` was given, as ``Client.submit`` keywords."""
+    params: dict[str, Any] = {
+        "priority": args.priority,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "stop_token_ids": args.stop_token_id,
+        "ignore_eos": args.ignore_eos,
+        "model": args.model,
+        "request_id": args.request_id,
+        "deadline_s": args.deadline,
+    }
+    if args.metadata is not None:
+        try:
+            params["metadata"] = orjson.loads(args.metadata)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"--metadata is not JSON: {exc}") from None
+    return params
 
 
 def run(args: argparse.Namespace) -> int:
-    """Submit, then stream or wait; exit 1 if the request did not end ``done``."""
+    """Submit, then stream or wait; exit status: see ``output`` (0 done, 1 not done, 3 timed
+    out)."""
+    if args.cancel_on_timeout and args.timeout is None:
+        raise InvalidRequest("--cancel-on-timeout needs --timeout")
     settings = Settings.from_env().with_url(args.redis_url)
-    request = _input(args)
+    request = {**_input(args), **_params(args)}
+    until = None if args.timeout is None else time.monotonic() + args.timeout
     with Client.from_url(settings=settings) as client:
-        handle = client.submit(
-            **request,
-            priority=args.priority,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            seed=args.seed,
-            model=args.model,
-            request_id=args.request_id,
-            deadline_s=args.deadline,
-            timeout=args.timeout,
-        )
+        handle = client.submit(**request, timeout=args.timeout)
         with handle:
             if args.detach:
                 print(handle.request_id)
-                return 0
+                return output.EXIT_DONE
             try:
                 if args.stream:
-                    for event in handle.stream(timeout=args.timeout):
-                        if args.json:
-                            _print_json(event.to_dict())
-                        elif isinstance(event, TokenEvent):
-                            sys.stdout.write(event.text)
-                            sys.stdout.flush()
-                    if not args.json:
-                        sys.stdout.write("\n")
-                result = handle.result(timeout=args.timeout)
+                    terminal = output.print_events(
+                        output.events_until(handle, 0, until), as_json=args.json
+                    )
+                    return output.exit_status(terminal)
+                remaining = None if until is None else max(0.0, until - time.monotonic())
+                result = handle.result(timeout=remaining)
+            except TimeoutError:
+                return output.report_timeout(
+                    client,
+                    handle,
+                    args.timeout,
+                    cancel=args.cancel_on_timeout,
+                    as_json=args.json,
+                )
             except RequestFailed as exc:
                 if not args.json:
                     raise
-                if not args.stream:
-                    _print_json(
-                        {
-                            "request_id": exc.request_id,
-                            "status": exc.status,
-                            "code": exc.code,
-                            "message": exc.message,
-                        }
-                    )
-                return 1
-            if args.json and not args.stream:
-                _print_json(result.to_dict())
-            elif not args.stream:
-                _show_text(result.text, result.usage, result.finish_reason)
-    return 0
+                output.print_json(
+                    {
+                        "request_id": exc.request_id,
+                        "status": exc.status,
+                        "code": exc.code,
+                        "message": exc.message,
+                    }
+                )
+                return output.EXIT_FAILED
+            if args.json:
+                output.print_json(result.to_dict())
+            else:
+                output.show_text(result.text, result.usage, result.finish_reason)
+    return output.EXIT_DONE

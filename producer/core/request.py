@@ -32,6 +32,8 @@ SUBMIT_FIELDS = frozenset(
         "top_p",
         "top_k",
         "stop",
+        "stop_token_ids",
+        "ignore_eos",
         "seed",
         "priority",
         "model",
@@ -89,8 +91,21 @@ def _stop_strings(stop: Any) -> tuple[str, ...]:
     raise InvalidRequest(f"stop must be a string or a list of strings, got {stop!r}")
 
 
+_NO_IDS: tuple[int, ...] = ()  # the default: skips the check on submit's hot path
+
+
+def _token_ids(name: str, ids: Any) -> tuple[int, ...]:
+    if isinstance(ids, Sequence) and not isinstance(ids, str | bytes | bytearray):
+        return tuple(ids)
+    raise InvalidRequest(f"{name} must be a list of token ids, got {ids!r}")
+
+
 def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
-    """Validate and encode one request (``submit``'s keyword arguments); see :func:`build`."""
+    """Validate and encode one request (``submit``'s keyword arguments); see :func:`build`.
+    An unknown keyword is an ``InvalidRequest`` naming it (not a ``TypeError``)."""
+    if not params.keys() <= SUBMIT_FIELDS:
+        unknown = ", ".join(sorted(set(params) - SUBMIT_FIELDS))
+        raise InvalidRequest(f"unknown request parameter(s): {unknown}")
     return Prepared.of(build(settings, now=now, **params), settings.max_payload_bytes)
 
 
@@ -105,6 +120,8 @@ def build(
     top_p: float = 1.0,
     top_k: int = 0,
     stop: str | Sequence[str] = (),
+    stop_token_ids: Sequence[int] = _NO_IDS,
+    ignore_eos: bool = False,
     seed: int | None = None,
     priority: str | int | Priority = "normal",
     model: str | None = None,
@@ -132,6 +149,10 @@ def build(
         top_k=top_k,
         seed=seed,
         stop=_stop_strings(stop),
+        stop_token_ids=(
+            _NO_IDS if stop_token_ids is _NO_IDS else _token_ids("stop_token_ids", stop_token_ids)
+        ),
+        ignore_eos=ignore_eos,
     )
     sampling.check_limit(settings.max_tokens_limit)
     request = GenerationRequest(

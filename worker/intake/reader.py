@@ -67,6 +67,8 @@ class IntakeReader:
     Invariant: at most one of ``_read`` / ``_start`` is in flight, on ``_conn``.
     """
 
+    _unblock_refused = False  # CLIENT UNBLOCK answered an error once: never sent again
+
     def __init__(self, intake: Intake, *, block_ms: int) -> None:
         self.intake = intake
         self.block_ms = block_ms
@@ -143,12 +145,21 @@ class IntakeReader:
         )
 
     def _unblock(self) -> None:
-        """Make the blocking read in flight answer now (with what it has read, if anything)."""
-        if self._conn_id is not None:
+        """Make the blocking read in flight answer now (with what it has read, if anything).
+
+        A Redis user without ``CLIENT UNBLOCK`` (README, "Redis ACL roles") is said once; from
+        then on this reader leaves each blocking read to end at its own ``block_ms`` timeout."""
+        if self._conn_id is not None and not self._unblock_refused:
             try:
                 self.intake.client.client_unblock(self._conn_id)
-            except redis.ResponseError:  # pragma: no cover - every supported Redis has it
-                log.exception("CLIENT UNBLOCK failed; the read ends at its timeout")
+            except redis.ResponseError as exc:  # NOPERM: an ACL user without the command
+                self._unblock_refused = True
+                log.warning(
+                    "CLIENT UNBLOCK refused (%s); from now on a blocking read ends at its "
+                    "%d ms timeout (grant +client|unblock: README, Redis ACL roles)",
+                    exc,
+                    self.block_ms,
+                )
         assert self._read is not None
         self._read.blocking = False  # unblocked once; its reply comes back at once
 

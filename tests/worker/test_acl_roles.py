@@ -1,0 +1,251 @@
+"""Redis ACL roles (README, "Redis ACL roles"): a real worker process and a producer run with
+exactly the users the README's block creates, and each role is refused what is not its own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from worker_helpers import WorkerProc, make_intake, wait_for
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.schema import RequestStatus
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.cli import main
+from tokenfleet.worker.devtools.local_redis import RedisServer
+from tokenfleet.worker.intake.reader import IntakeReader
+
+PREFIX = "tfacl"
+README = Path(__file__).resolve().parents[2] / "README.md"
+USERS = ("tf-producer", "tf-worker", "tf-admin")
+
+
+def readme_acl_commands(prefix: str, passwords: dict[str, str]) -> list[list[str]]:
+    """The README's ``ACL SETUSER`` commands for ``prefix``, with the given passwords."""
+    block = README.read_text().split("<!-- acl-roles:", 1)[1]
+    block = block.split("```sh\n", 1)[1].split("```", 1)[0]
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        if not line.strip():
+            continue
+        argv = shlex.split(line)
+        assert argv[:3] == ["redis-cli", "ACL", "SETUSER"], line
+        user = argv[3]
+        argv = [a.replace("tokenfleet:", f"{prefix}:") for a in argv[1:]]
+        out.append([f">{passwords[user]}" if a.startswith(">") else a for a in argv])
+    return out
+
+
+def user_url(server_url: str, user: str, password: str) -> str:
+    """``server_url`` (``unix:///path``) with a user and password in it."""
+    assert server_url.startswith("unix://")
+    return f"unix://{user}:{password}@{server_url[len('unix://') :]}"
+
+
+def _acl_denials(rr: redis.Redis, users: Any) -> list[dict[str, Any]]:
+    def text(v: Any) -> Any:
+        return v.decode() if isinstance(v, bytes) else v
+
+    entries = [{text(k): text(v) for k, v in e.items()} for e in rr.acl_log(count=1000)]
+    return [e for e in entries if e.get("username") in users]
+
+
+@pytest.fixture(scope="module")
+def urls(redis_server: RedisServer, rr: redis.Redis) -> Iterator[dict[str, str]]:
+    passwords = {user: os.urandom(12).hex() for user in USERS}
+    commands = readme_acl_commands(PREFIX, passwords)
+    assert [c[2] for c in commands] == list(USERS)
+    version = tuple(int(x) for x in str(rr.info("server")["redis_version"]).split(".")[:2])
+    setinfo = version >= (7, 2)  # README: add +client|setinfo there
+    for argv in commands:
+        rr.execute_command(*argv, *(["+client|setinfo"] if setinfo else []))
+    try:
+        yield {u: user_url(redis_server.url, u, passwords[u]) for u in USERS}
+    finally:
+        for user in USERS:
+            rr.acl_deluser(user)
+
+
+def test_the_fleet_runs_with_exactly_the_readme_users(
+    urls: dict[str, str],
+    rr: redis.Redis,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rr.acl_log_reset()
+    # the worker leaves batch alone, so a batch request stays queued for the producer to cancel
+    w = WorkerProc(
+        tiny_model_dir,
+        urls["tf-worker"],
+        PREFIX,
+        "acl-w1",
+        tmp_path,
+        "--priorities",
+        "critical,normal",
+    )
+    try:
+        w.wait_ready(rr)
+        settings = Settings(redis_url=urls["tf-producer"], key_prefix=PREFIX)
+        with Client.from_url(settings=settings) as client:
+            # ignore_eos and stop_token_ids reach the engine through the Python client
+            full = client.submit("Hello", max_tokens=6, temperature=0, ignore_eos=True)
+            first = full.result(timeout=120)
+            assert (len(first.token_ids), first.finish_reason) == (6, "length")
+            stop_id = first.token_ids[2]
+            cut = first.token_ids.index(stop_id) + 1
+            stopped = client.submit(
+                "Hello", max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[stop_id]
+            )
+            events = list(stopped.stream())
+            second = stopped.result(timeout=120)
+            assert second.token_ids == first.token_ids[:cut]
+            assert second.finish_reason == "stop" and len(events) == cut + 1
+            queued = client.submit("wait", priority="batch")
+            assert client.cancel(queued.request_id) is True
+            assert client.status(queued.request_id).status is RequestStatus.CANCELLED
+            assert {q.priority for q in client.queue_stats()} >= {"normal", "batch"}
+        # the CLI, as the producer
+        monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", PREFIX)
+        cli = ["--redis-url", urls["tf-producer"]]
+        assert main(["submit", "Hi", "--max-tokens", "2", "--request-id", "acl-c1", *cli]) == 0
+        assert main(["get", "acl-c1", *cli]) == 0
+        assert main(["follow", "acl-c1", *cli]) == 0
+        assert main(["queues", "--priority", "batch", "--max-waiting", "50", *cli]) == 0
+        assert main(["status", "--redis-url", urls["tf-admin"]]) == 0
+        capsys.readouterr()
+        # every command the fleet sent was allowed: Redis logged no denial for these users
+        assert _acl_denials(rr, USERS) == []
+        w.signal(15)
+        assert w.wait() == 0, w.output()
+        assert _acl_denials(rr, USERS) == []
+        for bad in ("Traceback", "NOPERM", "CLIENT UNBLOCK refused"):
+            assert bad not in w.output(), w.output()
+    finally:
+        w.close()
+
+
+def _refused(url: str, *command: Any) -> bool:
+    client = redis.Redis.from_url(url)
+    try:
+        client.execute_command(*command)
+    except redis.exceptions.NoPermissionError:
+        return True
+    finally:
+        client.close()
+    return False
+
+
+ADMIN_COMMANDS = [
+    ("CONFIG", "GET", "maxmemory"),
+    ("FLUSHALL",),
+    ("FLUSHDB",),
+    ("KEYS", "*"),
+    ("CLIENT", "KILL", "TYPE", "pubsub"),
+    ("SAVE",),
+    ("SWAPDB", "0", "1"),
+    ("ACL", "LIST"),
+    ("GET", "other-fleet:key"),  # outside the prefix
+    ("PUBLISH", "other-fleet:ch:1", "x"),
+]
+
+
+def test_a_producer_cannot_run_worker_or_admin_commands(
+    urls: dict[str, str],
+    rr: redis.Redis,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", PREFIX)
+    stream = f"{PREFIX}:q:default:normal"
+    if not rr.exists(stream):
+        rr.xgroup_create(stream, "workers", id="0", mkstream=True)
+    worker_only = [
+        ("XREADGROUP", "GROUP", "workers", "thief", "STREAMS", stream, ">"),
+        ("XCLAIM", stream, "workers", "thief", "0", "0-1"),
+        ("XAUTOCLAIM", stream, "workers", "thief", "0", "0"),
+        ("XPENDING", stream, "workers"),
+        ("CLIENT", "UNBLOCK", "1"),
+        ("HSET", f"{PREFIX}:worker:fake", "beat", "1"),  # a worker registration
+        ("ZADD", f"{PREFIX}:workers", "1", "fake"),
+        ("HSET", f"{PREFIX}:pool:p", "total", "1"),  # a pool
+        ("XADD", f"{PREFIX}:dead", "*", "a", "1"),  # the dead-letter stream
+    ]
+    producer = urls["tf-producer"]
+    for command in worker_only + ADMIN_COMMANDS:
+        assert _refused(producer, *command), command
+    # what the producer may do, it may do: read anything under the prefix
+    assert not _refused(producer, "HGETALL", f"{PREFIX}:pool:p")
+    # pool admin through the CLI: a clean refusal, no traceback
+    assert main(["pool", "create", "p1", "--blocks", "64", "--redis-url", producer]) == 1
+    assert "Redis refused" in capsys.readouterr().err
+    for command in ADMIN_COMMANDS:
+        assert _refused(urls["tf-worker"], *command), command
+        assert _refused(urls["tf-admin"], *command), command
+    assert main(["pool", "create", "p1", "--blocks", "64", "--redis-url", urls["tf-admin"]]) == 0
+    rr.delete(f"{PREFIX}:pool:p1", f"{PREFIX}:pool:p1:members", f"{PREFIX}:pools", stream)
+
+
+def test_a_worker_user_without_client_unblock_says_so_once(
+    urls: dict[str, str],
+    rr: redis.Redis,
+    redis_server: RedisServer,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    password = os.urandom(12).hex()
+    argv = next(
+        c for c in readme_acl_commands(PREFIX, dict.fromkeys(USERS, password)) if "tf-worker" in c
+    )
+    user = "tf-worker-nounblock"
+    rr.execute_command(*[user if a == "tf-worker" else a for a in argv], "-client|unblock")
+    url = user_url(redis_server.url, user, password)
+    try:
+        # in-process: the reader asks once, then leaves blocking reads to their timeout
+        client = redis.Redis.from_url(url)
+        reader = IntakeReader(
+            make_intake(client, Settings(redis_url=url, key_prefix=PREFIX)), block_ms=50
+        )
+        reader._conn_id = client.client_id()
+
+        class _Read:
+            blocking = True
+
+        rr.acl_log_reset()
+        with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.intake.reader"):
+            for _ in range(3):
+                reader._read = _Read()  # type: ignore[assignment]
+                reader._unblock()
+        assert [r.message.count("CLIENT UNBLOCK refused") for r in caplog.records] == [1]
+        assert len(_acl_denials(rr, {user})) == 1  # sent once, never again
+        client.close()
+
+        # a real worker process with that user: idle (a blocking read armed), then SIGTERM
+        w = WorkerProc(tiny_model_dir, url, PREFIX, "acl-nounblock", tmp_path)
+        try:
+            w.wait_ready(rr)
+
+            def blocked() -> bool:
+                return any(
+                    c.get("user") == user and "b" in c.get("flags", "") for c in rr.client_list()
+                )
+
+            wait_for(blocked, "the worker's blocking read")
+            w.signal(15)
+            assert w.wait() == 0, w.output()
+            out = w.output()
+            assert out.count("CLIENT UNBLOCK refused") == 1, out
+            assert "Traceback" not in out, out
+        finally:
+            w.close()
+    finally:
+        rr.acl_deluser(user)
+        rr.delete(*(rr.keys(f"{PREFIX}:*") or ["-"]))
