@@ -286,13 +286,12 @@ class WorkerService:
         self.feed.poll()
         if self.table.early:
             self.feed.resolve_early({out.request_id for out in outputs})
+        self.outbox.flush()  # the last Redis error possible before the events exist
         step = self.adapter.step_events(outputs, self.table)
-        self._held = None  # the outbox has it now, or restarts of aborted runs took it
-        try:
-            num_new = self.outbox.send_step(step)
-        finally:
-            for job in step.restarts:
-                self.feed.add(job)
+        self._held = None
+        num_new = self.outbox.send_step(step)  # queued even if Redis is away (outbox.py)
+        for job in step.restarts:
+            self.feed.add(job)
         self._tokens_total += num_new
         self.outbox.end_cancelled()
         stats = self.engine.last_step_stats

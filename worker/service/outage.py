@@ -198,6 +198,7 @@ def restore(
     if pool is not None:
         pool.abandon()  # a pool call is never sent again (publisher.py)
     outbox.flush()  # every publish not answered, sent again
+    outbox.close()  # the next step's publish opens a fresh connection (the old one may be dead)
     restarted = feed.reconcile()
     log.warning(
         "worker %s: restored after the Redis outage: %d requests running, %d entries started again",

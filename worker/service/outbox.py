@@ -9,6 +9,8 @@ in step order), so Redis works while the engine computes. Applying a result is t
 Redis outages: a publish whose connection failed stays at the head of the queue, unapplied;
 ``flush`` runs it again (``PendingPublish.result``) once the loop has waited for Redis, so no
 step's tokens are ever dropped while the engine keeps its state (``service/outage.py``).
+``send_step`` raises a Redis error only from its first ``flush``: the loop flushes before it
+builds a step's events, so once built they are always queued.
 """
 
 from __future__ import annotations
