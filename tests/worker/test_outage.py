@@ -124,3 +124,23 @@ def test_redis_timeouts_are_settings() -> None:
         Settings(redis_socket_timeout_s=0)
     with pytest.raises(ValueError, match="redis_retry_s"):
         Settings(redis_retry_s=-1)
+
+
+def test_status_says_what_a_worker_knows_about_redis() -> None:
+    from tokenfleet.worker.commands.status import render
+
+    def row(**over: object) -> dict[str, object]:
+        w = {"name": "w", "model": "m", "priorities": "normal", "beat_age_s": 0.5, "up_s": 9.0}
+        w |= {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 1}
+        w |= {"kv_usage": 0.0, "tokens_total": 0, "stopping": False, "redis_state": "ok"}
+        w |= {"redis_outages": 0, "redis_outage_s": 0.0}
+        return w | over
+
+    def text(w: dict[str, object]) -> str:
+        snap = {"prefix": "p", "workers": [w], "lapsed_workers": [], "queues": []}
+        return render(snap | {"dead_letters": 0, "pools": []})
+
+    assert "Redis" not in text(row())
+    assert "recovering from a Redis outage" in text(row(redis_state="recovering"))
+    assert "waiting for Redis?" in text(row(beat_age_s=7.0))
+    assert "2 Redis outages, 16s" in text(row(redis_outages=2, redis_outage_s=15.7))

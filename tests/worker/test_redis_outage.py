@@ -190,6 +190,11 @@ def test_redis_killed_and_restarted_with_aof_under_load(
         f.check_workers_alive()
         logs = "".join(w.output() for w in f.workers)
         assert "lost Redis" in logs and "restored after the Redis outage" in logs, logs
+        r = f.redis()  # each heartbeat (tokenfleet status) counts the outage it rode out
+        for w in f.workers:
+            beat = lambda w=w: int(r.hget(f.keys.worker(w.name), "redis_outages") or 0)  # noqa: E731
+            wait_for(beat, f"{w.name}'s heartbeat to count the outage")
+        r.close()
 
 
 def test_redis_stalled_for_15s_under_load(
