@@ -52,8 +52,8 @@ class AsyncClient(ClientCore[AsyncHandle]):
         self._run = AsyncDriver(redis_client, subscriber).run
 
     @staticmethod
-    def _redis_from_url(url: str) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis.from_url(url)
+    def _redis_from_url(url: str, options: dict[str, Any]) -> redis.asyncio.Redis:
+        return redis.asyncio.Redis.from_url(url, **options)
 
     def _new_handle(
         self, request_id: str, subscription: Mailbox | None, deadline: float | None

@@ -59,8 +59,8 @@ class Client(ClientCore[Handle]):
         self._run = SyncDriver(redis_client, subscriber).run
 
     @staticmethod
-    def _redis_from_url(url: str) -> redis.Redis:
-        return redis.Redis.from_url(url)
+    def _redis_from_url(url: str, options: dict[str, Any]) -> redis.Redis:
+        return redis.Redis.from_url(url, **options)
 
     def _new_handle(
         self, request_id: str, subscription: Mailbox | None, deadline: float | None

@@ -6,6 +6,8 @@ also what travels on the wire (terminal ``error`` events carry the same codes).
 
 from __future__ import annotations
 
+import redis
+
 
 class TokenfleetError(Exception):
     """Base class of every error tokenfleet raises on purpose."""
@@ -81,3 +83,19 @@ class RequestFailed(TokenfleetError):
         self.status = status
         self.code = code
         self.message = message
+
+
+# -- Redis outages (README "Redis outages") -------------------------------------------------------
+class RedisUnavailable(TokenfleetError, redis.ConnectionError):
+    """Redis stayed unreachable for longer than ``Settings.redis_retry_s``: a handle gave up
+    waiting (it retried with backoff until then). A ``redis.ConnectionError``, so code that
+    caught that before still does."""
+
+    code = "redis_unavailable"
+
+
+class RequestLost(UnknownRequest):
+    """The request's durable record vanished while it was being read: Redis lost its state
+    (restarted without persistence, or flushed). Nothing more will come for it; submit again."""
+
+    code = "request_lost"

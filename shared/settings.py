@@ -31,6 +31,16 @@ class Settings:
         record_ttl_s: lifetime of a request's durable record after it was last written.
         max_payload_bytes: largest encoded request accepted; checked before parsing.
         max_tokens_limit: largest ``max_tokens`` a request may ask for.
+        redis_socket_timeout_s: a Redis reply that takes longer than this counts as a lost
+            connection (the caller reconnects and retries; see ``redis_retry_s``). Longer than
+            any command tokenfleet sends (blocking reads wait 1 s), short enough to notice a
+            stalled or unreachable server.
+        redis_connect_timeout_s: how long one connection attempt may take.
+        redis_health_check_s: a pooled connection idle this long is PINGed before it is used
+            again (a connection a restarted Redis dropped is replaced before a command fails).
+        redis_retry_s: how long a process rides out an outage (Redis restarting, stalled or
+            unreachable) before it gives up: a handle raises ``RedisUnavailable``, a worker exits
+            with status 5; 0 keeps trying forever.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -38,6 +48,10 @@ class Settings:
     record_ttl_s: int = 86_400
     max_payload_bytes: int = 1_048_576
     max_tokens_limit: int = 32_768
+    redis_socket_timeout_s: int = 10
+    redis_connect_timeout_s: int = 5
+    redis_health_check_s: int = 30
+    redis_retry_s: int = 300
 
     def __post_init__(self) -> None:
         validate_redis_url(self.redis_url)
@@ -46,10 +60,20 @@ class Settings:
                 f"key prefix {self.key_prefix!r} must be 1-64 characters of letters, digits, "
                 "'_', '.' or '-'"
             )
-        for name in ("record_ttl_s", "max_payload_bytes", "max_tokens_limit"):
+        for name in (
+            "record_ttl_s",
+            "max_payload_bytes",
+            "max_tokens_limit",
+            "redis_socket_timeout_s",
+            "redis_connect_timeout_s",
+            "redis_health_check_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        retry = self.redis_retry_s
+        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
+            raise SettingsError(f"redis_retry_s must be an integer >= 0, got {retry!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -80,6 +104,16 @@ class Settings:
         if unknown:
             raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}")
         return cls(**values)
+
+    def redis_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``redis.Redis.from_url`` (sync or asyncio): the timeouts above.
+        redis-py's own retries are left at their default; riding out an outage is the caller's
+        (the worker's loop, a handle's reads), which knows what is safe to repeat."""
+        return {
+            "socket_timeout": self.redis_socket_timeout_s,
+            "socket_connect_timeout": self.redis_connect_timeout_s,
+            "health_check_interval": self.redis_health_check_s,
+        }
 
     def with_url(self, redis_url: str | None) -> Settings:
         """A copy with ``redis_url`` replaced when one is given (CLI ``--redis-url``)."""

@@ -80,14 +80,16 @@ class ClientCore(ABC, Generic[H]):
         """A client with its own connection pool; ``url`` defaults to the settings' one."""
         settings = kwargs.pop("settings", None) or Settings.from_env()
         settings = settings.with_url(url)
-        client = cls(cls._redis_from_url(settings.redis_url), settings=settings, **kwargs)
+        redis_client = cls._redis_from_url(settings.redis_url, settings.redis_options())
+        client = cls(redis_client, settings=settings, **kwargs)
         client._owns_redis = True
         return client
 
     @staticmethod
     @abstractmethod
-    def _redis_from_url(url: str) -> Any:
-        """A redis client of the face's kind with its own pool."""
+    def _redis_from_url(url: str, options: dict[str, Any]) -> Any:
+        """A redis client of the face's kind with its own pool (``options``: the settings'
+        timeouts, ``Settings.redis_options``)."""
 
     @abstractmethod
     def _new_handle(

@@ -5,6 +5,10 @@ Reading events: subscribe (at submit time, or lazily on first use), then sync fr
 record and token list whenever the cursor asks for it (start, gap, reconnect, a quiet channel),
 else follow the channel. A quiet channel is re-checked every ``recheck_s`` seconds, and at the
 request's deadline, when a still-queued request is finished ``expired`` right there.
+
+Redis outages (``outage.py``): a read that loses its connection waits with jittered backoff and
+syncs again from the durable record; a record that is gone once the request was known to exist
+(submitted by this handle, or seen by an earlier sync) means Redis lost it: ``RequestLost``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,19 @@ from tokenfleet.producer.core.effects import (
     Mailbox,
     Plan,
     Receive,
+    Sleep,
     Subscribe,
     Transaction,
 )
+from tokenfleet.producer.core.outage import REDIS_DOWN, OutageClock
 from tokenfleet.producer.core.result import Result, build_result
-from tokenfleet.shared.errors import ProtocolError, UnknownRequest
+from tokenfleet.producer.core.subscriptions import NotConfirmed
+from tokenfleet.shared.errors import (
+    ProtocolError,
+    RedisUnavailable,
+    RequestLost,
+    UnknownRequest,
+)
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import (
     Event,
@@ -96,6 +108,7 @@ class HandleCore:
         self._terminal: TerminalEvent | None = None
         self._ready: deque[Event] = deque()
         self._deadline = deadline
+        self._seen = subscription is not None  # the record existed (submitted, or synced)
         if subscription is not None:
             self._attach(subscription)
 
@@ -165,7 +178,25 @@ class HandleCore:
             self.close()
 
     def _pull(self, until: float | None) -> Plan[bool]:
-        """Receive one more event into the cache; False if ``until`` passed first."""
+        """Receive one more event into the cache; False if ``until`` passed first. Rides out
+        a Redis outage (module doc)."""
+        outage: OutageClock | None = None
+        while True:
+            try:
+                return (yield from self._pull_once(until))
+            except REDIS_DOWN as exc:
+                if self._client._subscriber.closed or isinstance(
+                    exc, RedisUnavailable | NotConfirmed
+                ):
+                    raise
+                if outage is None:
+                    outage = OutageClock(self._client.settings.redis_retry_s)
+                wait = outage.next_wait(exc, until)
+                if wait is None:
+                    return False
+                yield Sleep(wait)
+
+    def _pull_once(self, until: float | None) -> Plan[bool]:
         if self._sub is None:
             client = self._client
             channel = client._keys.channel(self.request_id)
@@ -221,6 +252,13 @@ class HandleCore:
             )
             raw, tokens = yield Transaction(read)
             record = RequestRecord.from_hash(rid, raw)
+            if record is None and self._seen:
+                raise RequestLost(
+                    f"request {rid} is gone from Redis: its record vanished while it was being "
+                    "read (Redis restarted without persistence or was flushed, or the record's "
+                    "TTL lapsed); no more events will come for it"
+                )
+            self._seen = record is not None
             if record is not None and record.status is RequestStatus.QUEUED:
                 self._deadline = record.deadline
                 if record.deadline is not None and record.deadline <= time.time():

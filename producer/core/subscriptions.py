@@ -11,6 +11,7 @@ and each ``subscribe`` confirmation pops the oldest one and wakes its waiters.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,9 +149,15 @@ def pubsub_connection_factory(client: Any, **overrides: Any) -> Callable[[], Any
     return make
 
 
+class NotConfirmed(redis.ConnectionError):
+    """Redis did not confirm a SUBSCRIBE in time. Raised to the reader as it is, not ridden
+    out like a lost command connection (``outage.py``): the request is unaffected, and the next
+    read subscribes afresh."""
+
+
 def not_confirmed(channel: str, timeout: float) -> redis.ConnectionError:
     """The error of a SUBSCRIBE that Redis did not confirm within ``timeout`` seconds."""
-    return redis.ConnectionError(
+    return NotConfirmed(
         f"could not subscribe to {channel} within {timeout:g}s (is Redis reachable?)"
     )
 
@@ -179,19 +186,22 @@ class MailboxBase:
 
 
 class Backoff:
-    """Delays between failed connection attempts: first, then doubling up to a ceiling."""
+    """Delays between failed connection attempts: first, then doubling up to a ceiling, each
+    drawn between half and all of that bound."""
 
-    __slots__ = ("delay",)
+    __slots__ = ("delay", "jitter")
 
-    def __init__(self) -> None:
+    def __init__(self, jitter: Callable[[], float] = random.random) -> None:
         self.delay = RECONNECT_BACKOFF_FIRST_S
+        self.jitter = jitter  # a draw in [0, 1)
 
     def reset(self) -> None:
         """A connection succeeded: the next failure waits the first delay again."""
         self.delay = RECONNECT_BACKOFF_FIRST_S
 
     def next(self) -> float:
-        """The delay to wait now; the following one doubles (up to the ceiling)."""
+        """The delay to wait now, drawn between half and all of the current bound (jitter: many
+        clients do not reconnect in lockstep); the bound doubles (up to the ceiling)."""
         delay = self.delay
         self.delay = min(delay * 2, RECONNECT_BACKOFF_CEILING_S)
-        return delay
+        return delay * (0.5 + 0.5 * self.jitter())

@@ -125,9 +125,17 @@ def test_stream_refuses_a_bad_index(offline: Client) -> None:
 
 
 def test_reconnect_backoff_doubles_up_to_its_ceiling_and_resets() -> None:
-    backoff = Backoff()
+    backoff = Backoff(jitter=lambda: 1.0)  # the bound itself (jitter draws below it)
     delays = [backoff.next() for _ in range(10)]
     assert delays[:3] == [RECONNECT_BACKOFF_FIRST_S, 2 * RECONNECT_BACKOFF_FIRST_S, 0.2]
     assert max(delays) == RECONNECT_BACKOFF_CEILING_S == delays[-1]
     backoff.reset()
     assert backoff.next() == RECONNECT_BACKOFF_FIRST_S
+
+
+def test_reconnect_backoff_jitters_between_half_and_all_of_its_bound() -> None:
+    low, high = Backoff(jitter=lambda: 0.0), Backoff()
+    assert low.next() == RECONNECT_BACKOFF_FIRST_S / 2
+    draws = [high.next() for _ in range(10)]
+    bounds = [min(RECONNECT_BACKOFF_FIRST_S * 2**i, RECONNECT_BACKOFF_CEILING_S) for i in range(10)]
+    assert all(b / 2 <= d <= b for d, b in zip(draws, bounds, strict=True))

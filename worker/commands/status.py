@@ -4,6 +4,11 @@ A worker is listed when its heartbeat hash exists (it expires when the worker st
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
+
+Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
+so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
+it beats with ``redis_state`` = ``recovering`` until it has restored its state, and every beat
+counts its outages and the seconds it waited.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 from typing import Any
+
+SILENT_AFTER_S = 3.0  # a heartbeat older than this (beats come every second) is silent
 
 
 def register(subparsers: Any) -> None:
@@ -65,6 +72,9 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
                 "kv_usage": round(used / total, 3) if total else 0.0,
                 "tokens_total": int(h.get("tokens_total") or 0),
                 "stopping": h.get("stopping") == "1",
+                "redis_state": h.get("redis_state") or "ok",
+                "redis_outages": int(h.get("redis_outages") or 0),
+                "redis_outage_s": float(h.get("redis_outage_s") or 0.0),
             }
         )
     producer = Client(client, settings=settings)
@@ -108,6 +118,7 @@ def render(snap: dict[str, Any]) -> str:
         for w in snap["workers"]:
             kv = f"{w['kv_blocks_used']}/{w['kv_blocks_total']} {w['kv_usage'] * 100:3.0f}%"
             flag = " (stopping)" if w["stopping"] else ""
+            flag += _redis_flag(w)
             lines.append(
                 f"  {w['name'][:28]:<28} {w['model'][:12]:<12} {w['beat_age_s']:>5.1f}s "
                 f"{w['running']:>4} {w['waiting']:>4} {kv:>13} {w['tokens_total']:>9}  "
@@ -131,6 +142,17 @@ def render(snap: dict[str, Any]) -> str:
         lines.append(f"KV pools: {len(snap['pools'])}")
         lines.extend(format_pool(view) for view in snap["pools"])
     return "\n".join(lines)
+
+
+def _redis_flag(w: dict[str, Any]) -> str:
+    """What the worker says about Redis: recovering, silent, outages ridden out."""
+    if w.get("redis_state") == "recovering":
+        return " (recovering from a Redis outage)"
+    if w["beat_age_s"] > SILENT_AFTER_S:
+        return f" (silent {w['beat_age_s']:.0f}s: waiting for Redis?)"
+    if w.get("redis_outages"):
+        return f" ({w['redis_outages']} Redis outages, {w['redis_outage_s']:.0f}s)"
+    return ""
 
 
 def func(args: argparse.Namespace) -> int:

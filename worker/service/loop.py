@@ -27,6 +27,13 @@ intake thread made the step a request arrived in about 0.9 ms longer. A step's p
 written the moment the step ends and its replies are read after the next step (one in flight,
 in step order).
 
+Redis outages (``outage.py``): a lost connection anywhere in an iteration pauses the loop (the
+engine is not stepped, and keeps its state) until Redis answers again; then the heartbeat, the
+consumer groups, the publishes not answered and the entries a lost round trip took are restored,
+and the loop goes on where it was, with the held step's publish first. Nothing is lost because
+an iteration's only Redis-independent progress, ``engine.step()``, is held in ``_held`` until
+its events are in the outbox, which keeps every publish until Redis has answered it.
+
 Shutdown (SIGTERM/SIGINT): stop reading and claiming; keep stepping and publishing for up to
 ``grace_s`` (a second signal ends the grace at once); hand back what is still running
 (re-queued at the tail of its stream, resumed by any worker from its token list); remove the
@@ -43,6 +50,7 @@ from typing import Any, cast
 
 import redis
 
+from tokenfleet.shared.errors import RedisUnavailable
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Intake
@@ -57,6 +65,12 @@ from tokenfleet.worker.service.feed import PREPARED_POLL_S, Feeder
 from tokenfleet.worker.service.handback import hand_back
 from tokenfleet.worker.service.heartbeat import Heartbeat
 from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.outage import (
+    EXIT_REDIS_UNAVAILABLE,
+    REDIS_DOWN,
+    OutageRider,
+    restore,
+)
 from tokenfleet.worker.service.outbox import Outbox
 from tokenfleet.worker.service.run_table import RunTable
 from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailures
@@ -81,7 +95,7 @@ class WorkerService:
         self.engine = engine
         self.settings = settings
         self.ws = wsettings
-        self.client = client or redis.Redis.from_url(settings.redis_url)
+        self.client = client or redis.Redis.from_url(settings.redis_url, **settings.redis_options())
         self.metrics = metrics or WorkerMetrics(wsettings.model_name)
         name = wsettings.name
         self.intake = Intake(
@@ -120,7 +134,16 @@ class WorkerService:
         self.heartbeat = Heartbeat(
             self.client, settings, worker_name=name, ttl_s=wsettings.heartbeat_ttl_s
         )
+        self.outage = OutageRider(
+            self.client,
+            worker_name=name,
+            retry_s=settings.redis_retry_s,
+            registry=self.metrics.registry,
+            model_name=wsettings.model_name,
+        )
+        self._held: list[Any] | None = None  # a step's outputs not yet in the outbox
         self.stop_requested = False
+        self._stop_at = 0.0
         self._hurry = False
         self.exit_code = 0
         self._kv_total = 0
@@ -153,6 +176,7 @@ class WorkerService:
             self.ws.grace_s,
         )
         self.stop_requested = True
+        self._stop_at = time.monotonic()
 
     def install_signal_handlers(self) -> None:
         signal.signal(signal.SIGTERM, self.request_stop)
@@ -160,11 +184,23 @@ class WorkerService:
 
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
-        self.intake.streams.ensure_groups()
-        if self.pool is not None:
-            self.pool.join(block_size=self.ws.block_size)  # limit 0 until the first grant
-        self._beat()  # first: from now on nobody else claims what this name holds
-        inherited = self.feed.claimer.inherit()  # before the first read: an earlier process's
+        try:
+            return self._serve()
+        except RedisUnavailable:  # outage.py has said why
+            self.exit_code = EXIT_REDIS_UNAVAILABLE
+            return self.exit_code
+
+    def _serve(self) -> int:
+        while True:  # Redis may be starting too: wait for it like for any outage
+            try:
+                self.intake.streams.ensure_groups()
+                if self.pool is not None:
+                    self.pool.join(block_size=self.ws.block_size)  # limit 0 until a grant
+                self._beat()  # first: from now on nobody else claims what this name holds
+                inherited = self.feed.claimer.inherit()  # before the first read
+                break
+            except REDIS_DOWN as exc:
+                self.outage.wait(exc, self._give_up)
         if inherited:
             log.warning(
                 "worker %s: %d requests are pending under this name from an earlier process "
@@ -184,35 +220,40 @@ class WorkerService:
         grace_deadline: float | None = None
         try:
             while True:
-                now = time.monotonic()
-                if self.outbox.in_flight and not self.engine.has_unfinished():
-                    self.outbox.flush()  # idle: apply the last results before blocking on Redis
-                if self.stop_requested and grace_deadline is None:
-                    grace_deadline = now + self.ws.grace_s
-                    self.feed.stop()  # started jobs run in the grace period
-                if now >= next_beat:
-                    self._beat()
-                    next_beat = now + self.ws.heartbeat_interval_s
-                if grace_deadline is None:
-                    if now >= next_claim:
-                        next_claim = now + self.feed.claim(self.ws.claim_interval_s)
-                    idle = not self.engine.has_unfinished()
-                    wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
-                    if idle and self.pool is not None:
-                        wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
-                    self.feed.poll(max(0.0, wait_s))
-                if self.engine.has_unfinished():
-                    self._step()
-                    if self.exit_code:
+                try:
+                    now = time.monotonic()
+                    if self._held is not None:
+                        self._publish_step()  # held by an outage: publish it first
+                    if self.outbox.in_flight and not self.engine.has_unfinished():
+                        self.outbox.flush()  # idle: apply the last results before blocking
+                    if self.stop_requested and grace_deadline is None:
+                        grace_deadline = now + self.ws.grace_s
+                        self.feed.stop()  # started jobs run in the grace period
+                    if now >= next_beat:
+                        self._beat()
+                        next_beat = now + self.ws.heartbeat_interval_s
+                    if grace_deadline is None:
+                        if now >= next_claim:
+                            next_claim = now + self.feed.claim(self.ws.claim_interval_s)
+                        idle = not self.engine.has_unfinished()
+                        wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
+                        if idle and self.pool is not None:
+                            wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
+                        self.feed.poll(max(0.0, wait_s))
+                    if self.engine.has_unfinished():
+                        self._step()
+                        if self.exit_code:
+                            break
+                    elif grace_deadline is not None and not self.feed.add_prepared(PREPARED_POLL_S):
+                        self.outbox.flush()  # (nothing left, not even a prompt being prepared)
                         break
-                elif grace_deadline is not None and not self.feed.add_prepared(PREPARED_POLL_S):
-                    self.outbox.flush()  # (nothing left, not even a prompt being prepared)
-                    break
-                if grace_deadline is not None and (
-                    self._hurry or time.monotonic() >= grace_deadline
-                ):
-                    self.hand_back_all()
-                    break
+                    if grace_deadline is not None and (
+                        self._hurry or time.monotonic() >= grace_deadline
+                    ):
+                        self.hand_back_all()
+                        break
+                except REDIS_DOWN as exc:
+                    self._ride_out(exc)
         finally:
             self._close()
         log.info("worker %s stopped (exit %d)", self.ws.name, self.exit_code)
@@ -230,6 +271,14 @@ class WorkerService:
             return
         if any(out.new_token_ids for out in outputs):
             self.failures.produced_tokens()
+        self._held = outputs
+        self._publish_step()
+
+    def _publish_step(self) -> None:
+        """Publish the held step's outputs. On a Redis error they stay held until the step's
+        events are in the outbox (which keeps them until Redis has answered)."""
+        outputs = self._held
+        assert outputs is not None
         # Read what arrived during the step now, before publishing: the round trip this sends
         # (a START, or the blocking read that follows a drained pull) has answered by the
         # loop's poll after the publish, so an arrival it finds joins the very next step
@@ -237,16 +286,40 @@ class WorkerService:
         self.feed.poll()
         if self.table.early:
             self.feed.resolve_early({out.request_id for out in outputs})
+        self.outbox.flush()  # the last Redis error possible before the events exist
         step = self.adapter.step_events(outputs, self.table)
-        num_new = self.outbox.send_step(step)
-        self._tokens_total += num_new
+        self._held = None
+        num_new = self.outbox.send_step(step)  # queued even if Redis is away (outbox.py)
         for job in step.restarts:
             self.feed.add(job)
+        self._tokens_total += num_new
         self.outbox.end_cancelled()
         stats = self.engine.last_step_stats
         self._kv_total = stats.num_kv_blocks_used + stats.num_kv_blocks_free or self._kv_total
         self.metrics.observe_step(
             time.time(), num_new, stats, self.engine.capacity(), self._kv_total
+        )
+
+    # -- Redis outages (outage.py) ------------------------------------------------------------
+    def _ride_out(self, exc: BaseException) -> None:
+        """Wait for Redis, then restore what this worker owns there; again on a new error."""
+        while True:
+            self.outage.wait(exc, self._give_up)
+            try:
+                self._restore()
+                return
+            except REDIS_DOWN as again:
+                exc = again
+
+    def _restore(self) -> None:
+        self._beat("recovering")  # first: nobody claims this worker's requests from now on
+        restore(self.intake.streams, self.pool, self.outbox, self.feed, worker_name=self.ws.name)
+        self._beat()
+
+    def _give_up(self) -> bool:
+        """While waiting for Redis: a stop was asked and its grace period has passed."""
+        return self.stop_requested and (
+            self._hurry or time.monotonic() >= self._stop_at + self.ws.grace_s
         )
 
     # -- shutdown and heartbeat ---------------------------------------------------------------
@@ -281,7 +354,7 @@ class WorkerService:
         except redis.RedisError:
             log.exception("worker %s: could not remove its heartbeat", self.ws.name)
 
-    def _beat(self) -> None:
+    def _beat(self, redis_state: str = "ok") -> None:
         cap = self.engine.capacity()
         used = self.engine.last_step_stats.num_kv_blocks_used
         self.heartbeat.beat(
@@ -295,6 +368,9 @@ class WorkerService:
                 "kv_blocks_total": self._kv_total or used + cap.free_kv_blocks,
                 "tokens_total": self._tokens_total,
                 "stopping": int(self.stop_requested),
+                "redis_state": redis_state,  # "recovering" right after an outage
+                "redis_outages": self.outage.outages,
+                "redis_outage_s": round(self.outage.waited_s, 1),
                 **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
             }
         )

@@ -5,6 +5,12 @@ written the moment the step ends and its replies are read after the next step (o
 in step order), so Redis works while the engine computes. Applying a result is the loop's
 "ack" side: tokens that took effect advance their jobs, finished and lost jobs leave the
 ``RunTable``, cancellations asked are noted, and the pool's reply goes to the pool link.
+
+Redis outages: a publish whose connection failed stays at the head of the queue, unapplied;
+``flush`` runs it again (``PendingPublish.result``) once the loop has waited for Redis, so no
+step's tokens are ever dropped while the engine keeps its state (``service/outage.py``).
+``send_step`` raises a Redis error only from its first ``flush``: the loop flushes before it
+builds a step's events, so once built they are always queued.
 """
 
 from __future__ import annotations
@@ -105,11 +111,12 @@ class Outbox:
         """Read the replies of every publish in flight (waiting if need be) and apply them."""
         while self._inflight:
             try:
-                result = self._inflight.popleft().result()
-            except BaseException:
+                result = self._inflight[0].result()
+            except BaseException:  # kept: the next flush runs it again (module doc)
                 if self.pool is not None:
                     self.pool.abandon()
                 raise
+            self._inflight.popleft()
             self._apply(result)
 
     def finish_now(self, job: Job, status: TerminalStatus, code: str | None, message: str) -> None:
@@ -117,15 +124,14 @@ class Outbox:
         event = TerminalEvent(
             job.request_id, status, num_tokens=job.num_published, code=code, message=message
         )
-        result: StepResult[Job] = self.publisher.publish([], [finish_of(job, event)])
-        self.table.remove(job.request_id)
-        if result.finished:
-            self.metrics.observe_finish(job.entry.priority, status.value, None, 0, {})
+        self.finish_all_now([finish_of(job, event)])
 
     def finish_all_now(self, finishes: list[Finish]) -> None:
         """Publish ``finishes`` synchronously, apply the result (which counts them in the
-        metrics) and drop their jobs, whether the finishes took effect or not."""
-        self._apply(self.publisher.publish([], finishes))
+        metrics) and drop their jobs, whether the finishes took effect or not. On a Redis
+        error they stay queued, like a step's publish, and are applied after the outage."""
+        self._inflight.append(self.publisher.send([], finishes))
+        self.flush()
         for fin in finishes:
             self.table.remove(fin.event.request_id)
 
@@ -164,7 +170,8 @@ class Outbox:
         for rid in result.lost:
             if table.remove(rid) is not None:
                 log.warning(
-                    "worker %s: %s is now held by another worker; dropped here",
+                    "worker %s: %s is no longer held by this worker (another worker took it "
+                    "over, or Redis lost its record); dropped here",
                     self.worker_name,
                     rid,
                 )
