@@ -10,6 +10,8 @@ Fields of the hash (all values are strings; times are epoch seconds):
     num_tokens      token events published so far (== length of the token list)
     worker          name of the worker running it (empty when none)
     attempts        how many workers have taken it (the poison guard counts these)
+    fingerprint     hash of the request body without its times (set by the enqueue script;
+                    a resubmit under the same id must match it, see ``request_fingerprint``)
     text            final text (set with the terminal status)
     finish_reason, code, message        how it ended
     usage, timings  JSON objects, set with the terminal status
