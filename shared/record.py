@@ -48,6 +48,15 @@ def _float(value: str | None) -> float | None:
         return None
 
 
+def _int(value: str | None) -> int:
+    """A count field; 0 when absent or not an integer (a poisoned record must not make reading
+    it raise: the worker ends such a request ``error`` / ``corrupt_state``)."""
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
+
+
 def _json(value: str | None) -> dict[str, Any]:
     if not value:
         return {}
@@ -103,9 +112,9 @@ class RequestRecord:
             first_token_at=_float(h.get("first_token_at")),
             finished_at=_float(h.get("finished_at")),
             deadline=_float(h.get("deadline")),
-            num_tokens=int(h.get("num_tokens") or 0),
+            num_tokens=_int(h.get("num_tokens")),
             worker=h.get("worker") or "",
-            attempts=int(h.get("attempts") or 0),
+            attempts=_int(h.get("attempts")),
             text=h.get("text"),
             finish_reason=h.get("finish_reason") or None,
             code=h.get("code") or None,

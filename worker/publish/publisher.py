@@ -38,6 +38,7 @@ from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
 from tokenfleet.worker.pool.link import PoolCall
 
 _OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
+_CORRUPT = (b"corrupt", "corrupt")
 
 T = TypeVar("T")  # the caller's tag of a batch of token events, handed back when it took effect
 
@@ -59,6 +60,9 @@ class StepResult(Generic[T]):
 
     appended: list[tuple[T, Sequence[TokenEvent]]] = field(default_factory=list)  # now in lists
     lost: set[str] = field(default_factory=set)  # ids another worker holds now: drop locally
+    # id -> cause, for requests whose state is poisoned (record gone, token list not where this
+    # worker left it): nothing was written; the caller ends them error / corrupt_state
+    corrupt: dict[str, str] = field(default_factory=dict)
     cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
     finished: list[Finish] = field(default_factory=list)  # finishes that took effect
     pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
@@ -110,13 +114,17 @@ class PendingPublish(Generic[T]):
             for batch, reply in zip(self._tokens, per_request, strict=True):
                 if reply[0] in _OK:
                     appended.append(batch)
+                elif reply[0] in _CORRUPT:
+                    cause = reply[1]
+                    text = cause.decode("utf-8", "replace") if isinstance(cause, bytes) else cause
+                    result.corrupt[batch[1][0].request_id] = str(text)
                 else:
                     result.lost.add(batch[1][0].request_id)
         for fin in self._finishes:
             code = replies[i][0]
             i += 1
             rid = fin.event.request_id
-            if code != "lost" and rid not in result.lost:
+            if code != "lost" and rid not in result.lost and rid not in result.corrupt:
                 result.finished.append(fin)
             else:
                 result.lost.add(rid)
