@@ -85,6 +85,26 @@ def _event_out_of_place(rr: redis.Redis, rid: str) -> dict[str, object]:
     return {"num_tokens": 1, "attempts": 1, "started_at": "1.0", "h": True}
 
 
+_HANDED_BACK_LUA = """
+local id = redis.call('XADD', KEYS[1], '*', 'id', ARGV[1], 'd', ARGV[2], 'dl', '', 'h', '1')
+redis.call('HSET', KEYS[2], 'status', 'queued', 'stream_id', id, 'model', 'default',
+           'priority', 'normal', 'worker', '')
+for i = 3, #ARGV, 2 do
+  redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+end
+return id
+"""
+
+
+def _enqueue_handed_back(rr: redis.Redis, rid: str, fields: dict[str, object]) -> None:
+    """A request handed back by a worker that had published tokens (entry with ``h`` = 1),
+    written atomically so the running worker never sees half of it."""
+    args: list[object] = [rid, make_request(rid, sampling=SHORT).encode()]
+    for k, v in fields.items():
+        args += [k, v]
+    rr.eval(_HANDED_BACK_LUA, 2, STREAM, KEYS.record(rid), *args)  # type: ignore[arg-type]
+
+
 START_POISONS: dict[str, tuple[Callable[[redis.Redis, str], dict[str, object]], str]] = {
     "preexisting-list": (_preexisting_list, "token list holds 2 events but its record says 0"),
     "list-vs-num-tokens": (
@@ -109,13 +129,10 @@ def test_poison_found_at_start_ends_the_request(
     fields = poison(rr, rid)
     handed_back = bool(fields.pop("h", False))
     log = subscribe(rr, KEYS, [rid])
-    entry = enqueue(rr, KEYS, make_request(rid, sampling=SHORT), **fields)
     if handed_back:  # a resumed request's entry carries h=1 (no early start)
-        rr.xdel(STREAM, entry)
-        entry = rr.xadd(
-            STREAM, {"id": rid, "d": make_request(rid, sampling=SHORT).encode(), "dl": "", "h": "1"}
-        ).decode()
-        rr.hset(KEYS.record(rid), "stream_id", entry)
+        _enqueue_handed_back(rr, rid, fields)
+    else:
+        enqueue(rr, KEYS, make_request(rid, sampling=SHORT), **fields)
     term = log.wait_terminal(rid, 60)
     assert isinstance(term, TerminalEvent)
     assert term.status == "error" and term.code == "corrupt_state", term
