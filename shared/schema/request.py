@@ -29,6 +29,7 @@ MAX_METADATA_BYTES = 16_384
 # occurrence of each marker is the top-level key.
 _FP_CUT_START = b',"deadline":'
 _FP_CUT_END = b',"metadata":'
+_FP_NO_METADATA = b',"metadata":null}'
 
 
 def request_fingerprint(payload: bytes) -> str:
@@ -40,9 +41,13 @@ def request_fingerprint(payload: bytes) -> str:
     model, priority, metadata — gives another. Works on the bytes, so ``submit`` and
     ``submit_many`` (which encodes by template, byte-identically) agree without decoding.
     """
-    start = payload.find(_FP_CUT_START)
-    end = payload.find(_FP_CUT_END, start) if start >= 0 else -1
-    if end < 0:  # not our encoder's layout: the whole payload
+    if payload.endswith(_FP_NO_METADATA):  # the usual case: search back from the end (the
+        end = len(payload) - len(_FP_NO_METADATA)  # two times between are numbers or null)
+        start = payload.rfind(_FP_CUT_START, 0, end)
+    else:  # the first occurrences are the top-level keys (metadata comes after them)
+        start = payload.find(_FP_CUT_START)
+        end = payload.find(_FP_CUT_END, start) if start >= 0 else -1
+    if start < 0 or end < 0:  # not our encoder's layout: the whole payload
         return hashlib.blake2b(payload, digest_size=16).hexdigest()
     return hashlib.blake2b(payload[:start] + payload[end:], digest_size=16).hexdigest()
 
