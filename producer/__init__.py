@@ -10,6 +10,7 @@ from tokenfleet.producer.client import Client
 from tokenfleet.producer.core.result import Result
 from tokenfleet.producer.handle import Handle
 from tokenfleet.shared.errors import (
+    IdempotencyConflict,
     InvalidRequest,
     Overloaded,
     RequestFailed,
@@ -24,6 +25,7 @@ __all__ = [
     "AsyncHandle",
     "Client",
     "Handle",
+    "IdempotencyConflict",
     "InvalidRequest",
     "OverflowPolicy",
     "Overloaded",

@@ -27,6 +27,21 @@ class InvalidRequest(TokenfleetError, ValueError):
     code = "invalid_request"
 
 
+class IdempotencyConflict(InvalidRequest):
+    """A client-chosen ``request_id`` is already taken by a request with a different body.
+
+    Resubmitting the *same* request (same prompt, sampling, model, priority, metadata; the
+    submit time and deadline may differ) returns the existing request; anything else under that
+    id is refused with this error, which names the id (``request_id``).
+    """
+
+    code = "idempotency_conflict"
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class ProtocolError(TokenfleetError, ValueError):
     """A payload read from Redis failed to decode or validate (size, JSON, schema, version).
 

@@ -10,6 +10,8 @@ Fields of the hash (all values are strings; times are epoch seconds):
     num_tokens      token events published so far (== length of the token list)
     worker          name of the worker running it (empty when none)
     attempts        how many workers have taken it (the poison guard counts these)
+    fingerprint     hash of the request body without its times (set by the enqueue script;
+                    a resubmit under the same id must match it, see ``request_fingerprint``)
     text            final text (set with the terminal status)
     finish_reason, code, message        how it ended
     usage, timings  JSON objects, set with the terminal status
@@ -44,6 +46,15 @@ def _float(value: str | None) -> float | None:
         return float(value)
     except ValueError:
         return None
+
+
+def _int(value: str | None) -> int:
+    """A count field; 0 when absent or not an integer (a poisoned record must not make reading
+    it raise: the worker ends such a request ``error`` / ``corrupt_state``)."""
+    try:
+        return int(value) if value else 0
+    except ValueError:
+        return 0
 
 
 def _json(value: str | None) -> dict[str, Any]:
@@ -101,9 +112,9 @@ class RequestRecord:
             first_token_at=_float(h.get("first_token_at")),
             finished_at=_float(h.get("finished_at")),
             deadline=_float(h.get("deadline")),
-            num_tokens=int(h.get("num_tokens") or 0),
+            num_tokens=_int(h.get("num_tokens")),
             worker=h.get("worker") or "",
-            attempts=int(h.get("attempts") or 0),
+            attempts=_int(h.get("attempts")),
             text=h.get("text"),
             finish_reason=h.get("finish_reason") or None,
             code=h.get("code") or None,

@@ -125,7 +125,7 @@ class ClientCore(ABC, Generic[H]):
                 deadline = prepared.deadline if code == "new" else None
                 return self._new_handle(prepared.request_id, sub, deadline)
             if code != "full" or (until is not None and time.monotonic() + delay > until):
-                raise ops.refusal(code, value)
+                raise ops.refusal(code, value, prepared.request_id)
             yield Sleep(delay)
             delay = min(delay * growth, ceiling)
 
@@ -172,7 +172,7 @@ class ClientCore(ABC, Generic[H]):
                 if code in ("new", "exists"):
                     results[i] = new_handle(p.request_id, None, p.deadline)
                 else:
-                    results[i] = ops.refusal(code, value)
+                    results[i] = ops.refusal(code, value, p.request_id)
         return [results[i] for i in range(len(prepared))]
 
     # -- following requests ---------------------------------------------------------------------

@@ -11,7 +11,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from tokenfleet.producer.core.request import Prepared
-from tokenfleet.shared.errors import Overloaded, ScriptError, TokenfleetError
+from tokenfleet.shared.errors import (
+    IdempotencyConflict,
+    Overloaded,
+    ScriptError,
+    TokenfleetError,
+)
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import OverflowPolicy, QueueConfig, QueueStats
@@ -40,10 +45,13 @@ def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
     return as_str(reply[1]) or "", as_str(reply[2]) or ""
 
 
-def refusal(code: str, message: str) -> TokenfleetError:
-    """The exception for a per-request refusal code of the enqueue script."""
+def refusal(code: str, message: str, request_id: str | None = None) -> TokenfleetError:
+    """The exception for a per-request refusal code of the enqueue script (``request_id``: the
+    refused request's, carried by ``IdempotencyConflict``)."""
     if code == "full":
         return Overloaded(message)
+    if code == "conflict":
+        return IdempotencyConflict(message, request_id=request_id)
     error = ERROR_CODES.get(code)
     if error is None:
         return ScriptError(f"script enqueue returned unknown code {code!r}: {message}")

@@ -12,7 +12,8 @@ import X`` is the way to import them):
 * ``fields``: checks of single values (``check_text``, integers, token ids);
 * ``status``: ``TerminalStatus`` and ``RequestStatus``;
 * ``sampling``: ``SamplingParams``;
-* ``request``: ``GenerationRequest``, the stream payload;
+* ``request``: ``GenerationRequest``, the stream payload, and ``request_fingerprint`` (what
+  idempotent resubmits compare);
 * ``events``: ``TokenEvent``, ``TerminalEvent``, ``Event`` and ``decode_event``.
 """
 
@@ -26,7 +27,11 @@ from tokenfleet.shared.schema.events import (
     decode_event,
 )
 from tokenfleet.shared.schema.fields import check_text
-from tokenfleet.shared.schema.request import MAX_METADATA_BYTES, GenerationRequest
+from tokenfleet.shared.schema.request import (
+    MAX_METADATA_BYTES,
+    GenerationRequest,
+    request_fingerprint,
+)
 from tokenfleet.shared.schema.sampling import (
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
@@ -52,4 +57,5 @@ __all__ = [
     "TokenEvent",
     "check_text",
     "decode_event",
+    "request_fingerprint",
 ]

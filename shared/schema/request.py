@@ -6,6 +6,7 @@ before anything touches Redis; decoding a stream payload raises ``ProtocolError`
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,35 @@ from tokenfleet.shared.schema.sampling import SamplingParams
 from tokenfleet.shared.schema.wire import SCHEMA_VERSION, loads
 
 MAX_METADATA_BYTES = 16_384
+
+# What the fingerprint leaves out: the span from the top-level "deadline" key to the
+# "metadata" key, i.e. the two times a retry legitimately changes (``enqueued_at`` is the submit
+# time; ``deadline`` is the submit time + ``deadline_s``). to_dict() writes these keys in this
+# order and last but for metadata; a JSON string cannot hold an unescaped quote, so the first
+# occurrence of each marker is the top-level key.
+_FP_CUT_START = b',"deadline":'
+_FP_CUT_END = b',"metadata":'
+_FP_NO_METADATA = b',"metadata":null}'
+
+
+def request_fingerprint(payload: bytes) -> str:
+    """The idempotency fingerprint of an encoded request (``GenerationRequest.encode()``).
+
+    128-bit BLAKE2b, hex, of the payload without its ``deadline`` and ``enqueued_at`` fields:
+    two submits of the same request at different times (with the same relative ``deadline_s``
+    or a different one) share a fingerprint; any other difference — prompt, messages, sampling,
+    model, priority, metadata — gives another. Works on the bytes, so ``submit`` and
+    ``submit_many`` (which encodes by template, byte-identically) agree without decoding.
+    """
+    if payload.endswith(_FP_NO_METADATA):  # the usual case: search back from the end (the
+        end = len(payload) - len(_FP_NO_METADATA)  # two times between are numbers or null)
+        start = payload.rfind(_FP_CUT_START, 0, end)
+    else:  # the first occurrences are the top-level keys (metadata comes after them)
+        start = payload.find(_FP_CUT_START)
+        end = payload.find(_FP_CUT_END, start) if start >= 0 else -1
+    if start < 0 or end < 0:  # not our encoder's layout: the whole payload
+        return hashlib.blake2b(payload, digest_size=16).hexdigest()
+    return hashlib.blake2b(payload[:start] + payload[end:], digest_size=16).hexdigest()
 
 
 def _check_messages(messages: Any) -> tuple[dict[str, str], ...]:

@@ -14,9 +14,12 @@
 -- ARGV[19] = dropped message             ARGV[20] = expired message
 -- ARGV[21] = mode: "submit" (apply the queue's policy) or "try" (a full queue refuses,
 --            whatever its policy: no eviction, no waiting)
--- ARGV[22..] = triples: request id, encoded request, deadline (epoch seconds) or ""
+-- ARGV[22..] = quadruples: request id, encoded request, deadline (epoch seconds) or "",
+--              the request's fingerprint (kept in the record as "fingerprint")
 -- Returns {"ok", code1, value1, code2, value2, ...}, one pair per request, in order:
---   "new", stream id | "exists", status | "overloaded", message (drop_newest, try mode, or
+--   "new", stream id | "exists", status (a record with the same fingerprint, or one written
+--   without a fingerprint) | "conflict", message (a record with another fingerprint: the id is
+--   taken by a different request) | "overloaded", message (drop_newest, try mode, or
 --   drop_oldest with nothing to evict) | "full", message (block policy, submit mode) |
 --   "invalid", message (bad id)
 -- Victims: a full queue ends waiting requests that are not in this call (drop_oldest evicts the
@@ -27,7 +30,7 @@
 -- scripts") says why and what a Redis Cluster deployment needs instead.
 -- @include tf_finish.lua
 
-if #KEYS ~= 4 + (#ARGV - 21) / 3 then
+if #KEYS ~= 4 + (#ARGV - 21) / 4 then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
 end
 local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
@@ -88,16 +91,24 @@ local reclaimed = false
 
 local out = {'ok'}
 local k = 4
-for j = 22, #ARGV, 3 do
-  local rid, payload, deadline = ARGV[j], ARGV[j + 1], ARGV[j + 2]
+for j = 22, #ARGV, 4 do
+  local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   k = k + 1
   local rec = KEYS[k]
   if #rid > 128 or not string.find(rid, '^[A-Za-z0-9][A-Za-z0-9%._%-]*$') then
     out[#out + 1] = 'invalid'
     out[#out + 1] = 'request id must be 1-128 characters of [A-Za-z0-9._-]'
   elseif redis.call('EXISTS', rec) == 1 then
-    out[#out + 1] = 'exists'
-    out[#out + 1] = redis.call('HGET', rec, 'status') or 'queued'
+    local held = redis.call('HMGET', rec, 'status', 'fingerprint')
+    if held[2] and held[2] ~= fp then
+      out[#out + 1] = 'conflict'
+      out[#out + 1] = 'request id ' .. rid .. ' is already taken by a different request '
+        .. '(status ' .. (held[1] or 'queued') .. '): resubmit the same request to get it, '
+        .. 'or choose another request_id'
+    else
+      out[#out + 1] = 'exists'
+      out[#out + 1] = held[1] or 'queued'
+    end
   else
     if waiting >= max_waiting and not reclaimed then
       reclaimed = true
@@ -125,7 +136,7 @@ for j = 22, #ARGV, 3 do
       -- handback keeps the entry's fields), so the record does not store a second copy.
       redis.call('HSET', rec, 'status', 'queued', 'stream_id', sid, 'enqueued_at', now,
                  'model', ARGV[5], 'priority', ARGV[6], 'num_tokens', '0',
-                 'attempts', '0', 'deadline', deadline, 'worker', '')
+                 'attempts', '0', 'deadline', deadline, 'worker', '', 'fingerprint', fp)
       redis.call('EXPIRE', rec, ttl)
       waiting = waiting + 1
       out[#out + 1] = 'new'

@@ -5,7 +5,9 @@ batch of one) and ``submit_many`` (many per call) share one code path. Invariant
 interleaving of producers:
 
 * waiting (``XLEN - pending``) never exceeds the queue's ``max_waiting`` after the script;
-* a request id with a record is never enqueued again (idempotent client-supplied ids);
+* a request id with a record is never enqueued again (idempotent client-supplied ids); the
+  record keeps the request's fingerprint (:func:`~tokenfleet.shared.schema.request.
+  request_fingerprint`), and a resubmit whose fingerprint differs is refused (``conflict``);
 * an evicted request (drop-oldest) or a reclaimed one (deadline passed while waiting) goes
   through ``tf_finish``: its record turns terminal and its channel gets the terminal event.
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
-from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fingerprint
 from tokenfleet.shared.scripts.registry import load_lua
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
@@ -109,5 +111,6 @@ def enqueue_keys_args(
             item.request_id,
             item.payload,
             "" if item.deadline is None else repr(item.deadline),
+            request_fingerprint(item.payload),
         ]
     return key_list, args

@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from tokenfleet.shared.errors import (
+    IdempotencyConflict,
     InvalidRequest,
     Overloaded,
     PoolError,
@@ -27,6 +28,7 @@ from tokenfleet.shared.errors import (
 ERROR_CODES: dict[str, type[TokenfleetError]] = {
     "overloaded": Overloaded,
     "invalid": InvalidRequest,
+    "conflict": IdempotencyConflict,
     "unknown": UnknownRequest,
     "pool": PoolError,
 }

@@ -21,9 +21,10 @@ local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event
     redis.call('XDEL', stream, sid)
   end
   redis.call('SREM', cancel_set, rid)
-  if current and not live then
+  if current == 'done' or current == 'cancelled' or current == 'expired'
+      or current == 'dropped' or current == 'error' then
     return {'already', current}
-  end
+  end  -- a status no request has (a poisoned record) is overwritten like a live one
   redis.call('HSET', rec, 'status', status, 'finished_at', now, 'worker', '')
   for i = 1, #fields, 2 do
     redis.call('HSET', rec, fields[i], fields[i + 1])

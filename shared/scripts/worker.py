@@ -3,11 +3,13 @@
 Each keeps one invariant of the durable record atomically:
 
 * ``START`` moves ``queued -> running`` (or notices the request must not run), so a worker
-  never starts a cancelled, expired, terminal or poisoned request.
+  never starts a cancelled, expired, terminal or poisoned request, nor one whose record or
+  token list is inconsistent (``corrupt``: the worker ends it ``error`` / ``corrupt_state``).
 * ``APPEND_TOKENS`` (all the requests of one engine step in one call) appends a request's
   tokens only while the caller still owns it and only at the index its list has reached, so
   the token list (and the channel) stays gap-free and duplicate-free even when a worker that
-  was presumed dead wakes up.
+  was presumed dead wakes up; a record that is gone, or a list that does not end where the
+  owner's tokens start, is reported ``corrupt`` (the worker ends the request ``error``).
 * ``HANDBACK`` re-queues a running request at the tail of its stream (new entry, old one acked
   and deleted) so that any worker resumes it at once from its token list.
 """
@@ -22,7 +24,7 @@ from tokenfleet.shared.scripts.registry import KeyOrArg, load_lua
 START = load_lua(
     "tokenfleet.shared.scripts",
     "worker_start.lua",
-    ok_codes=("missing", "foreign", "terminal", "cancelled", "expired", "poison"),
+    ok_codes=("missing", "foreign", "terminal", "cancelled", "expired", "poison", "corrupt"),
 )
 APPEND_TOKENS = load_lua("tokenfleet.shared.scripts", "worker_append_tokens.lua")
 HANDBACK = load_lua("tokenfleet.shared.scripts", "worker_handback.lua", ok_codes=("lost",))

@@ -4,11 +4,17 @@
 -- ARGV[3] = record TTL in seconds
 -- ARGV[4..] = for each request i, in KEYS order: the index of its first event, the number of
 --             its events c, then its c encoded token events in index order
--- Returns {"ok", reply_1, ..., reply_n}, one reply per request: {"ok"}; {"lost", status,
--- holder} if the caller no longer runs it; or {"gap", length} if its list does not end at its
--- first index. Nothing is written for a request unless its reply is "ok".
+-- Returns {"ok", reply_1, ..., reply_n}, one reply per request: {"ok"} (also when the list
+-- already ends with exactly these events: an earlier try of the same round trip ran and its
+-- reply was lost, so the worker's resend after a Redis outage writes nothing twice); {"lost", status,
+-- holder} if the caller no longer runs it (another worker holds it, it was handed back, or it
+-- ended); or {"corrupt", cause} if its state is poisoned: the record is gone or has a status no
+-- request has, or it is the caller's but its list does not end at its first index (the caller
+-- ends it error / corrupt_state). Nothing is written for a request unless its reply is "ok".
 -- One engine step's tokens, every request of the step in one call (one script run per step
 -- instead of one per request: less work for Redis and one reply for the worker to read).
+local known = {queued = true, running = true, done = true, cancelled = true, expired = true,
+               dropped = true, error = true}
 local out = {'ok'}
 local a = 4
 for i = 1, #KEYS / 3 do
@@ -17,12 +23,19 @@ for i = 1, #KEYS / 3 do
   local ev = a + 2
   a = ev + count
   local h = redis.call('HMGET', rec, 'status', 'worker')
-  if h[1] ~= 'running' or h[2] ~= ARGV[1] then
+  if not h[1] then
+    out[i + 1] = {'corrupt', 'its record is gone (deleted, or its TTL lapsed) while it ran'}
+  elseif not known[h[1]] then
+    out[i + 1] = {'corrupt', "its record's status '" .. h[1] .. "' is not a request status"}
+  elseif h[1] ~= 'running' or h[2] ~= ARGV[1] then
     out[i + 1] = {'lost', tostring(h[1]), tostring(h[2])}
   else
     local n = redis.call('LLEN', list)
-    if n ~= first then
-      out[i + 1] = {'gap', tostring(n)}
+    if n == first + count and count > 0 then
+      out[i + 1] = {'ok'}  -- appended by an earlier try whose reply was lost: nothing to do
+    elseif n ~= first then
+      out[i + 1] = {'corrupt', 'its token list holds ' .. n .. ' events where this worker '
+                    .. 'had published ' .. first}
     else
       for j = ev, a - 1 do
         redis.call('RPUSH', list, ARGV[j])

@@ -4,6 +4,8 @@
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = stream entry id
 -- ARGV[5] = consumer group name          ARGV[6] = poison limit (max workers per request)
 -- ARGV[7] = deadline (epoch seconds) or ""
+-- ARGV[8] = the request's model, ARGV[9] = its priority label (optional: absent or "" skips
+--           the comparison with the record's)
 -- Returns one of
 --   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
 --                                 events are the token list (what earlier workers published)
@@ -13,8 +15,12 @@
 --   {"cancelled"}                 cancellation was asked for: caller finishes it cancelled
 --   {"expired"}                   never started and its deadline passed: caller finishes expired
 --   {"poison", attempts}          taken by more than ARGV[6] workers: caller finishes worker_lost
+--   {"corrupt", cause}            the record or token list is inconsistent (unknown status,
+--                                 a count that is not a number, a token list whose length is
+--                                 not the record's num_tokens, a record for another model or
+--                                 priority): caller finishes error / corrupt_state with the cause
 local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'started_at', 'attempts',
-                     'num_tokens')
+                     'num_tokens', 'model', 'priority')
 local status = h[1]
 if not status then
   return {'missing'}
@@ -24,10 +30,32 @@ if h[2] and h[2] ~= ARGV[4] then
   redis.call('XDEL', KEYS[2], ARGV[4])
   return {'foreign', h[2]}
 end
-if status ~= 'queued' and status ~= 'running' then
+local terminal = {done = true, cancelled = true, expired = true, dropped = true, error = true}
+if terminal[status] then
   redis.call('XACK', KEYS[2], ARGV[5], ARGV[4])
   redis.call('XDEL', KEYS[2], ARGV[4])
   return {'terminal', status}
+end
+if status ~= 'queued' and status ~= 'running' then
+  return {'corrupt', "the record's status '" .. status .. "' is not a request status"}
+end
+local attempts, num_tokens = tonumber(h[4] or '0'), tonumber(h[5] or '0')
+if not attempts or attempts < 0 or not num_tokens or num_tokens < 0 then
+  return {'corrupt', "the record's attempts '" .. tostring(h[4]) .. "' or num_tokens '"
+          .. tostring(h[5]) .. "' is not a count"}
+end
+local length = redis.call('LLEN', KEYS[4])
+if length ~= num_tokens then
+  return {'corrupt', 'its token list holds ' .. length .. ' events but its record says '
+          .. num_tokens .. ' were published'}
+end
+if ARGV[8] and ARGV[8] ~= '' and h[6] and h[6] ~= ARGV[8] then
+  return {'corrupt', "its record is for model '" .. h[6] .. "', its request for '"
+          .. ARGV[8] .. "'"}
+end
+if ARGV[9] and ARGV[9] ~= '' and h[7] and h[7] ~= ARGV[9] then
+  return {'corrupt', "its record has priority '" .. h[7] .. "', its request '"
+          .. ARGV[9] .. "'"}
 end
 if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then
   return {'cancelled'}
@@ -36,7 +64,7 @@ local started = h[3] and h[3] ~= ''
 if not started and ARGV[7] ~= '' and tonumber(ARGV[7]) <= tonumber(ARGV[3]) then
   return {'expired'}
 end
-local attempts = tonumber(h[4] or '0') + 1
+attempts = attempts + 1
 if attempts > tonumber(ARGV[6]) then
   return {'poison', tostring(attempts - 1)}
 end
@@ -44,8 +72,8 @@ redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'attempts', 
 if not started then
   redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
 end
-local out = {'ok', tostring(attempts), h[5] or '0'}
-if tonumber(h[5] or '0') > 0 then
+local out = {'ok', tostring(attempts), tostring(num_tokens)}
+if num_tokens > 0 then
   for _, ev in ipairs(redis.call('LRANGE', KEYS[4], 0, -1)) do
     out[#out + 1] = ev
   end

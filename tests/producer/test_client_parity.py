@@ -234,7 +234,8 @@ def scenario() -> Iterator[Step]:
     )
     yield Step("read config", lambda c: c.queue_config("normal"))
     yield Step("submit", lambda c: c.submit("a", request_id="p1", max_tokens=4))
-    yield Step("same id", lambda c: c.submit("b", request_id="p1"))
+    yield Step("same id", lambda c: c.submit("a", request_id="p1", max_tokens=4))
+    yield Step("same id, other body", lambda c: c.submit("b", request_id="p1"))
     yield Step("second", lambda c: c.submit("c", request_id="p2"))
     yield Step("try full", lambda c: c.try_submit("d", request_id="p3"))
     yield Step("evict oldest", lambda c: c.submit("d", request_id="p3"))
@@ -368,6 +369,7 @@ def test_both_faces_give_the_same_results(
     raised = {label: o[1] for label, o in sync_results if o[0] == "raised"}
     outcomes = {label: o[1] for label, o in sync_results if o[0] == "ok"}
     assert raised == {
+        "same id, other body": "IdempotencyConflict",
         "try full": "Overloaded",
         "dropped result": "RequestFailed",
         "cancelled result": "RequestFailed",

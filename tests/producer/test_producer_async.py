@@ -14,6 +14,7 @@ from producer_helpers import FakeWorker
 from tokenfleet.producer import (
     AsyncClient,
     Client,
+    IdempotencyConflict,
     InvalidRequest,
     Overloaded,
     RequestFailed,
@@ -79,7 +80,9 @@ def test_policies_ids_cancel_deadline(settings: Settings, client: Client) -> Non
     async def body(aclient: AsyncClient) -> None:
         await aclient.set_queue_config("normal", max_waiting=2, policy="drop_oldest")
         first = await aclient.submit("a", request_id="same")
-        assert (await aclient.submit("other", request_id="same")).request_id == "same"
+        assert (await aclient.submit("a", request_id="same")).request_id == "same"
+        with pytest.raises(IdempotencyConflict, match="request id same is already taken"):
+            await aclient.submit("other", request_id="same")
         await aclient.submit("b")
         with pytest.raises(Overloaded):
             await aclient.try_submit("c")

@@ -21,9 +21,9 @@ STREAM = ("default", Priority.NORMAL)
 
 def test_client_supplied_id_is_idempotent(client: Client, r: redis.Redis, keys: Keys) -> None:
     first = client.submit("hello", request_id="order-42")
-    again = client.submit("a different prompt", request_id="order-42")
-    assert again.request_id == first.request_id == "order-42"
-    [from_many] = client.submit_many([{"prompt": "x", "request_id": "order-42"}])
+    again = client.submit("hello", request_id="order-42")  # the same request (issue 15: a
+    assert again.request_id == first.request_id == "order-42"  # different one is refused)
+    [from_many] = client.submit_many([{"prompt": "hello", "request_id": "order-42"}])
     assert not isinstance(from_many, Exception) and from_many.request_id == "order-42"
     assert r.xlen(keys.stream(*STREAM)) == 1
 

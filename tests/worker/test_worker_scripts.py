@@ -63,7 +63,8 @@ def test_start_then_append_then_resume_elsewhere(r: redis.Redis, keys: Keys) -> 
     entry = enqueue(r, keys, make_request("a"))
     assert _start(r, keys, "a", entry) == ["ok", b"1", b"0"]
     assert _append(r, keys, "a", "w1", 0, 3) == "ok"
-    assert _append(r, keys, "a", "w1", 2, 1) == "gap"  # index 2 exists already: nothing written
+    # index 2 exists already: nothing written (issue 15: reported "corrupt", was "gap")
+    assert _append(r, keys, "a", "w1", 2, 1) == "corrupt"
     assert r.llen(keys.tokens("a")) == 3
     # w1 died; w2 claims the entry and starts it again: it gets the published events
     reply = _start(r, keys, "a", entry, worker="w2")
@@ -92,7 +93,8 @@ def test_append_tokens_judges_each_request_of_a_step_on_its_own(r: redis.Redis, 
         ("d", 0, _events("d", 0, 3)),
     ]
     reply = registry.call(r, APPEND_TOKENS, *append_tokens_keys_args(keys, "w1", 12.5, 60, batch))
-    assert reply == ["ok", [b"ok"], [b"gap", b"2"], [b"lost", b"running", b"w2"], [b"ok"]]
+    gapped = [b"corrupt", b"its token list holds 2 events where this worker had published 1"]
+    assert reply == ["ok", [b"ok"], gapped, [b"lost", b"running", b"w2"], [b"ok"]]
     assert [r.llen(keys.tokens(rid)) for rid in "abcd"] == [1, 2, 0, 3]
     assert r.lrange(keys.tokens("d"), 0, -1) == _events("d", 0, 3)
     published = []

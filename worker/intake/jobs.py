@@ -13,6 +13,10 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import GenerationRequest, TokenEvent
 
+# The error code of a request whose Redis state is poisoned (record or token list inconsistent
+# with the request or with each other): the worker ends it ``error`` with this code and a cause.
+CORRUPT_STATE = "corrupt_state"
+
 
 @dataclass(slots=True)
 class Entry:
@@ -73,6 +77,7 @@ class StartReport:
     cancelled: list[Priority] = field(default_factory=list)
     poisoned: list[Priority] = field(default_factory=list)
     dead_lettered: list[Priority] = field(default_factory=list)
+    corrupt: list[Priority] = field(default_factory=list)  # ended error / corrupt_state
 
 
 def record_published(appended: Iterable[tuple[Job, Sequence[TokenEvent]]]) -> None:

@@ -13,6 +13,7 @@ Invariant: every entry given to ``start`` is, on return, either a ``Job`` the ca
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -26,10 +27,12 @@ from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import GenerationRequest, TerminalStatus, TokenEvent, decode_event
 from tokenfleet.shared.scripts.worker import START
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake.jobs import Entry, Job, StartReport
+from tokenfleet.worker.intake.jobs import CORRUPT_STATE, Entry, Job, StartReport
 from tokenfleet.worker.intake.outcomes import UnstartedOutcomes
 from tokenfleet.worker.intake.streams import PriorityStreams
 from tokenfleet.worker.pipelined import ScriptPipeline
+
+log = logging.getLogger(__name__)
 
 
 class Starter:
@@ -121,6 +124,8 @@ class Starter:
                     CONSUMER_GROUP,
                     self.poison_limit,
                     "" if req.deadline is None else repr(req.deadline),
+                    req.model,
+                    req.priority.label,
                 ],
             )
         order = self.streams.queue_pull(pipe, budget) if budget > 0 else []
@@ -142,7 +147,14 @@ class Starter:
             values = reply
             code = values[0]
             if code == "ok":
-                jobs.append(self._job(entry, req, values))
+                try:
+                    jobs.append(self._job(entry, req, values))
+                except (
+                    ProtocolError
+                ) as exc:  # a token event that does not decode or is out of place
+                    self._end_corrupt(entry, req.request_id, str(exc), report)
+            elif code == "corrupt":
+                self._end_corrupt(entry, req.request_id, as_str(values[1]) or "", report)
             elif code == "missing":
                 outcomes.dead_letter(entry, "no durable record exists for this request", None)
                 outcomes.finish_unstarted(
@@ -191,6 +203,22 @@ class Starter:
             # "terminal": the script already acked and deleted the entry
         return jobs
 
+    def _end_corrupt(self, entry: Entry, rid: str, cause: str, report: StartReport) -> None:
+        """End a request whose record or token list is poisoned: ``error`` / ``corrupt_state``
+        naming the cause; its entry is acked and deleted (no ownership check: ``START`` either
+        refused it or made it this worker's)."""
+        log.warning(
+            "worker %s: %s has inconsistent state (%s); ending it", self.worker_name, rid, cause
+        )
+        self.outcomes.finish_unstarted(
+            entry,
+            rid,
+            TerminalStatus.ERROR,
+            CORRUPT_STATE,
+            f"inconsistent request state: {cause}",
+        )
+        report.corrupt.append(entry.priority)
+
     def decode(self, entry: Entry) -> GenerationRequest:
         """Decode and validate an entry's payload; ``ProtocolError`` names the fault."""
         rid = entry.raw_id
@@ -217,9 +245,12 @@ class Starter:
     def _job(self, entry: Entry, req: GenerationRequest, values: list[Any]) -> Job:
         job = Job(entry=entry, request=req, attempts=int(values[1]))
         for i, raw in enumerate(values[3:]):
-            event = decode_event(raw)
+            try:
+                event = decode_event(raw)
+            except ProtocolError as exc:
+                raise ProtocolError(f"its token list's event {i} does not decode: {exc}") from None
             if not isinstance(event, TokenEvent) or event.index != i:
-                raise ProtocolError(f"token list of {req.request_id} is corrupt at index {i}")
+                raise ProtocolError(f"its token list holds no token event {i} at index {i}")
             job.resume_token_ids.append(event.token_id)
             job.text_parts.append(event.text)
         job.num_published = len(job.resume_token_ids)

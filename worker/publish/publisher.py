@@ -22,9 +22,9 @@ Redis outages: a round trip whose connection fails (written or not, executed or 
 cannot tell) is *run again* by ``result()`` on a fresh connection, until it gets its replies (the
 worker's loop calls it again once Redis answers; see ``service/outage.py``). Running it again is
 safe because every part of it is idempotent for the same worker: ``APPEND_TOKENS`` writes a
-request's events only if its list ends at their first index, so events already appended answer
-``gap`` with the list's length equal to their end, which counts as appended (any other ``gap``
-means the list is not ours: lost); ``FINISH`` answers ``already`` for a request it ended before;
+request's events only if its list ends at their first index, and answers ``ok`` without writing
+when the list already ends with exactly these events (an earlier try ran); any other length is
+``corrupt`` (the worker ends the request error / corrupt_state); ``FINISH`` answers ``already`` for a request it ended before;
 the cancel check only reads. A KV-pool step is not run again (the pool link forgets it and plans
 the next one from the engine's state).
 """
@@ -48,7 +48,7 @@ from tokenfleet.worker.pipelined import ScriptPipeline, dedicated_connection
 from tokenfleet.worker.pool.link import PoolCall
 
 _OK = (b"ok", "ok")  # a per-request reply's code, nested in APPEND_TOKENS's (not decoded)
-_GAP = (b"gap", "gap")
+_CORRUPT = (b"corrupt", "corrupt")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # the connection, not the command
 
 T = TypeVar("T")  # the caller's tag of a batch of token events, handed back when it took effect
@@ -71,6 +71,9 @@ class StepResult(Generic[T]):
 
     appended: list[tuple[T, Sequence[TokenEvent]]] = field(default_factory=list)  # now in lists
     lost: set[str] = field(default_factory=set)  # ids another worker holds now: drop locally
+    # id -> cause, for requests whose state is poisoned (record gone, token list not where this
+    # worker left it): nothing was written; the caller ends them error / corrupt_state
+    corrupt: dict[str, str] = field(default_factory=dict)
     cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
     finished: list[Finish] = field(default_factory=list)  # finishes that took effect
     pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
@@ -134,16 +137,19 @@ class PendingPublish(Generic[T]):
             i = 1
             appended = result.appended
             for batch, reply in zip(self._tokens, per_request, strict=True):
-                code = reply[0]
-                if code in _OK or (code in _GAP and int(reply[1]) == batch[1][-1].index + 1):
-                    appended.append(batch)  # a gap at their end: appended by an earlier try
+                if reply[0] in _OK:  # (or appended by an earlier try of this round trip)
+                    appended.append(batch)
+                elif reply[0] in _CORRUPT:
+                    cause = reply[1]
+                    text = cause.decode("utf-8", "replace") if isinstance(cause, bytes) else cause
+                    result.corrupt[batch[1][0].request_id] = str(text)
                 else:
                     result.lost.add(batch[1][0].request_id)
         for fin in self._finishes:
             code = replies[i][0]
             i += 1
             rid = fin.event.request_id
-            if code != "lost" and rid not in result.lost:
+            if code != "lost" and rid not in result.lost and rid not in result.corrupt:
                 result.finished.append(fin)
             else:
                 result.lost.add(rid)

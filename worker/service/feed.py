@@ -300,6 +300,7 @@ class Feeder:
             ("expired", report.expired),
             ("dead_letter", report.dead_lettered),
             ("worker_lost", report.poisoned),
+            ("corrupt_state", report.corrupt),
         ):
             for p in prios:
                 self.metrics.observe_outcome(p, kind)

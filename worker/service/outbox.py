@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
-from tokenfleet.worker.intake.jobs import Job, record_published
+from tokenfleet.worker.intake.jobs import CORRUPT_STATE, Job, record_published
 from tokenfleet.worker.publish.publisher import Finish, PendingPublish, Publisher, StepResult
 from tokenfleet.worker.service.adapter import StepEvents
 from tokenfleet.worker.service.engine_port import EnginePort
@@ -170,13 +170,29 @@ class Outbox:
         for rid in result.lost:
             if table.remove(rid) is not None:
                 log.warning(
-                    "worker %s: %s is no longer held by this worker (another worker took it "
-                    "over, or Redis lost its record); dropped here",
+                    "worker %s: %s is no longer held by this worker (taken over by another, "
+                    "handed back or ended); dropped here",
                     self.worker_name,
                     rid,
                 )
                 self.engine.abort(rid)
+        for rid, cause in result.corrupt.items():
+            self._end_corrupt(rid, cause)
         table.request_cancels(result.cancel_requested)
+
+    def _end_corrupt(self, rid: str, cause: str) -> None:
+        """End a running request whose Redis state is poisoned: ``error`` / ``corrupt_state``
+        naming the cause, entry acked (its tokens were not written)."""
+        job = self.table.jobs.get(rid)
+        if job is None:
+            return
+        log.warning(
+            "worker %s: %s has inconsistent state (%s); ending it", self.worker_name, rid, cause
+        )
+        self.engine.abort(rid)
+        self.finish_now(
+            job, TerminalStatus.ERROR, CORRUPT_STATE, f"inconsistent request state: {cause}"
+        )
 
 
 def finish_of(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:
