@@ -7,14 +7,16 @@
 -- "reach a terminal state". ``fields`` is a flat {name, value, ...} table of record fields.
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal (the
 -- stream entry is still acked and deleted), or {"lost", holder} (nothing changed) if ``owner`` is
--- set and the live record is held by someone else, or is gone.
+-- set and the live record is held by someone else, or is gone and the end is ``done`` (a record
+-- Redis lost is never recreated as a truncated success; an error end is still written, so the
+-- client sees why its request ended).
 local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event, now, ttl,
                          sid, group, owner, fields)
   local h = redis.call('HMGET', rec, 'status', 'worker')
   local current, holder = h[1], h[2] or ''
   local live = current == 'queued' or current == 'running'
-  if owner ~= '' and (not current or (live and holder ~= owner)) then
-    return {'lost', holder}  -- held by another, or gone (Redis lost it): never recreate a record
+  if owner ~= '' and ((not current and status == 'done') or (live and holder ~= owner)) then
+    return {'lost', holder}  -- held by another, or gone (Redis lost it): no truncated success
   end
   if sid ~= '' then
     redis.call('XACK', stream, group, sid)

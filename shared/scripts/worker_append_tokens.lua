@@ -31,8 +31,16 @@ for i = 1, #KEYS / 3 do
     out[i + 1] = {'lost', tostring(h[1]), tostring(h[2])}
   else
     local n = redis.call('LLEN', list)
+    local again = false  -- the list already ends with exactly these events: an earlier try ran
     if n == first + count and count > 0 then
-      out[i + 1] = {'ok'}  -- appended by an earlier try whose reply was lost: nothing to do
+      local tail = redis.call('LRANGE', list, first, n - 1)
+      again = true
+      for j = 1, count do
+        if tail[j] ~= ARGV[ev + j - 1] then again = false end
+      end
+    end
+    if again then
+      out[i + 1] = {'ok'}  -- its reply was lost (a Redis outage): nothing to write twice
     elseif n ~= first then
       out[i + 1] = {'corrupt', 'its token list holds ' .. n .. ' events where this worker '
                     .. 'had published ' .. first}

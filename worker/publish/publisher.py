@@ -24,9 +24,9 @@ worker's loop calls it again once Redis answers; see ``service/outage.py``). Run
 safe because every part of it is idempotent for the same worker: ``APPEND_TOKENS`` writes a
 request's events only if its list ends at their first index, and answers ``ok`` without writing
 when the list already ends with exactly these events (an earlier try ran); any other length is
-``corrupt`` (the worker ends the request error / corrupt_state); ``FINISH`` answers ``already`` for a request it ended before;
-the cancel check only reads. A KV-pool step is not run again (the pool link forgets it and plans
-the next one from the engine's state).
+``corrupt`` (the worker ends the request error / corrupt_state); ``FINISH`` answers ``already``
+for a request it ended before; the cancel check only reads. A KV-pool step is not run again (the
+pool link forgets it and plans the next one from the engine's state).
 """
 
 from __future__ import annotations
