@@ -11,9 +11,11 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
+import redis
 import redis.asyncio
 
 from tokenfleet.producer.async_io.subscriber import AsyncSubscriber, AsyncSubscription
+from tokenfleet.producer.core import script_wire
 from tokenfleet.producer.core.effects import (
     AwaitConfirmation,
     Command,
@@ -88,11 +90,44 @@ class AsyncDriver:
         return await pipe.execute()
 
     async def _run_scripts(self, effect: RunScripts) -> list[Any]:
-        r = self._redis
-        pipe = r.pipeline(transaction=False)
-        for call in effect.calls:
-            await registry.aqueue(r, pipe, call.script, call.keys, call.args)
-        return await pipe.execute()
+        """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
+        replies = await self._exchange(effect.calls)
+        retry = script_wire.missing_scripts(replies)
+        if retry:  # the server lost its scripts: load them, run those calls again
+            for source in {effect.calls[i].script.source for i in retry}:
+                await self._redis.script_load(source)
+            again = await self._exchange([effect.calls[i] for i in retry])
+            for i, reply in zip(retry, again, strict=True):
+                replies[i] = reply
+        return script_wire.raise_first_error(replies)
+
+    async def _exchange(self, calls: list[RunScript]) -> list[Any]:
+        """Send ``calls`` on one pooled connection, then read one reply each (error replies
+        returned in place), retried on a lost connection as redis-py retries a pipeline."""
+        pool = self._redis.connection_pool
+        conn = await pool.get_connection()
+
+        async def exchange() -> list[Any]:
+            for packed in script_wire.packed_calls(conn, calls):
+                await conn.send_packed_command(packed, check_health=False)
+            replies: list[Any] = []
+            for _ in calls:
+                try:
+                    replies.append(await conn.read_response())
+                except redis.ResponseError as exc:  # an error reply: the stream stays in sync
+                    replies.append(exc)
+            return replies
+
+        async def fail(_: Exception) -> None:
+            await conn.disconnect()
+
+        try:
+            return cast(list[Any], await conn.retry.call_with_retry(exchange, fail))
+        except BaseException:
+            await conn.disconnect(nowait=True)  # replies may be unread: never reuse this socket
+            raise
+        finally:
+            await pool.release(conn)
 
     async def _await_confirmation(self, effect: AwaitConfirmation) -> bool:
         sub = cast(AsyncSubscription, effect.mailbox)

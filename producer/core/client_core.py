@@ -138,7 +138,7 @@ class ClientCore(ABC, Generic[H]):
             self._keys,
             prepared.model,
             prepared.priority,
-            [ops.enqueue_item(prepared)],
+            [prepared],
             now=time.time(),
             ttl_s=self.settings.record_ttl_s,
             try_only=try_only,
@@ -157,7 +157,7 @@ class ClientCore(ABC, Generic[H]):
                 self._keys,
                 model,
                 priority,
-                [ops.enqueue_item(prepared[i]) for i in indices],
+                [prepared[i] for i in indices],
                 now=now,
                 ttl_s=self.settings.record_ttl_s,
             )
@@ -166,13 +166,15 @@ class ClientCore(ABC, Generic[H]):
         new_handle = self._new_handle
         results: dict[int, H | TokenfleetError] = {}
         for (_, indices), reply in zip(batches, replies, strict=True):
-            pairs = ops.enqueue_pairs(registry.check_reply(ENQUEUE, reply))
-            for i, (code, value) in zip(indices, pairs, strict=True):
-                p = prepared[i]
-                if code in ("new", "exists"):
+            refusals = ops.enqueue_refusals(
+                registry.check_reply(ENQUEUE, reply), [prepared[i].request_id for i in indices]
+            )
+            for i, refused in zip(indices, refusals, strict=True):
+                if refused is None:
+                    p = prepared[i]
                     results[i] = new_handle(p.request_id, None, p.deadline)
                 else:
-                    results[i] = ops.refusal(code, value, p.request_id)
+                    results[i] = refused
         return [results[i] for i in range(len(prepared))]
 
     # -- following requests ---------------------------------------------------------------------

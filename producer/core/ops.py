@@ -22,7 +22,6 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import OverflowPolicy, QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.schema import RequestStatus
-from tokenfleet.shared.scripts.enqueue import EnqueueItem
 from tokenfleet.shared.scripts.registry import ERROR_CODES
 
 # submit() on a "block" queue polls for room: first delay, growth factor, largest delay (s).
@@ -35,6 +34,25 @@ def enqueue_pairs(reply: Sequence[Any]) -> list[tuple[str, str]]:
     """The (code, value) pairs of a checked ENQUEUE reply (``reply[0]`` is "ok")."""
     items = [as_str(v) or "" for v in reply[1:]]
     return list(zip(items[0::2], items[1::2], strict=True))
+
+
+_ENQUEUED = frozenset({"new", "exists", b"new", b"exists"})
+
+
+def enqueue_refusals(
+    reply: Sequence[Any], request_ids: Sequence[str]
+) -> list[TokenfleetError | None]:
+    """Per request of a checked ENQUEUE reply (``request_ids`` in the call's order): None when it
+    is enqueued (``new``, or ``exists`` from an earlier call), else the exception of its
+    refusal. The same outcomes as :func:`enqueue_pairs` with :func:`refusal`, without decoding
+    the values of enqueued ones."""
+    codes, values = reply[1::2], reply[2::2]
+    if len(codes) != len(values):
+        return [refusal(c, v) for c, v in enqueue_pairs(reply)]  # raises as enqueue_pairs does
+    return [
+        None if code in _ENQUEUED else refusal(as_str(code) or "", as_str(value) or "", rid)
+        for code, value, rid in zip(codes, values, request_ids, strict=True)
+    ]
 
 
 def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
@@ -112,11 +130,6 @@ def merged_config(current: QueueConfig, max_waiting: int | None, policy: str | N
         max_waiting=current.max_waiting if max_waiting is None else max_waiting,
         policy=current.policy if policy is None else OverflowPolicy.parse(policy),
     )
-
-
-def enqueue_item(p: Prepared) -> EnqueueItem:
-    """What the enqueue script needs of a prepared request."""
-    return EnqueueItem(p.request_id, p.payload, p.deadline)
 
 
 def is_overdue(record: RequestRecord) -> bool:

@@ -12,7 +12,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
@@ -44,9 +44,11 @@ SUBMIT_FIELDS = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prepared:
-    """A validated request, reduced to what the enqueue script needs."""
+    """A validated request, reduced to what the enqueue script needs (an ``EnqueueItem`` as
+    ``enqueue_keys_args`` takes it). Never changed once made; not frozen only because a frozen
+    dataclass costs twice as much to build, once per request of a ``submit_many``."""
 
     request_id: str
     model: str
@@ -183,17 +185,21 @@ def _spec_params(spec: str | Mapping[str, Any]) -> dict[str, Any]:
     return dict(spec)
 
 
-_SHARED_FIELDS = tuple(sorted(SUBMIT_FIELDS - {"prompt", "request_id"}))
-_ABSENT = object()
+_OWN_FIELDS = frozenset({"prompt", "request_id"})  # what each request of a template has of its own
+_SLOW_FIELDS = frozenset({"messages", "metadata"})  # never on a template
 
 
-def _shared_key(params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+def _shared_key(spec: Any) -> tuple[Any, ...] | None:
     """What a text-prompt request shares with others of the same batch, or None when it does
-    not take the fast path (token-id or chat prompts, metadata, unhashable values)."""
-    if not isinstance(params.get("prompt"), str) or "messages" in params or "metadata" in params:
+    not take the fast path (not a dict, unknown fields, token-id or chat prompts, metadata,
+    unhashable values). Each value comes with its type, so ``1``, ``1.0`` and ``True`` never
+    share a template; the same fields in another order only make a second template."""
+    if type(spec) is not dict or type(spec.get("prompt")) is not str:
         return None
-    values = [params.get(name, _ABSENT) for name in _SHARED_FIELDS]
-    key = tuple(tuple(v) if isinstance(v, list) else v for v in values)
+    names = spec.keys()
+    if not names <= SUBMIT_FIELDS or not names.isdisjoint(_SLOW_FIELDS):
+        return None
+    key = tuple([(k, type(v), v) for k, v in spec.items() if k not in _OWN_FIELDS])
     try:
         hash(key)
     except TypeError:
@@ -224,21 +230,24 @@ class _Template:
             raise InvalidRequest("request parameters must not contain tokenfleet's markers")
         self.parts = (head, mid, tail)
 
-    def instance(self, settings: Settings, prompt: str, request_id: str | None) -> Prepared:
-        """The same checks and encoding as ``build`` + ``encode``, for one prompt."""
-        text = check_text("prompt", prompt)
-        if not text:
+    def instance(self, max_bytes: int, prompt: str, request_id: str) -> Prepared:
+        """The same checks and encoding as ``build`` + ``encode``, for one text prompt (a str)
+        and a request id that is new or already checked."""
+        if not prompt:
             raise InvalidRequest("prompt is empty")
-        rid = new_request_id() if request_id is None else check_request_id(request_id)
+        try:
+            text = orjson.dumps(prompt)  # refuses lone surrogates, as check_text does
+        except orjson.JSONEncodeError:
+            check_text("prompt", prompt)  # raises the specific error
+            raise
         head, mid, tail = self.parts
-        payload = b"".join((head, orjson.dumps(rid), mid, orjson.dumps(text), tail))
-        if len(payload) > settings.max_payload_bytes:
+        payload = b"".join((head, orjson.dumps(request_id), mid, text, tail))
+        if len(payload) > max_bytes:
             raise InvalidRequest(
-                f"request is {len(payload)} bytes encoded; the limit is "
-                f"{settings.max_payload_bytes} bytes"
+                f"request is {len(payload)} bytes encoded; the limit is {max_bytes} bytes"
             )
         r = self.request
-        return Prepared(rid, r.model, r.priority, r.deadline, payload)
+        return Prepared(request_id, r.model, r.priority, r.deadline, payload)
 
 
 def prepare_many(
@@ -253,17 +262,22 @@ def prepare_many(
     """
     out: list[Prepared] = []
     templates: dict[tuple[Any, ...], _Template] = {}
+    max_bytes = settings.max_payload_bytes
+    fresh_ids = os.urandom(16 * len(specs)).hex()  # one call: 32 hex characters per request
     for i, spec in enumerate(specs):
         try:
-            params = _spec_params(spec)
+            params = {"prompt": spec} if type(spec) is str else spec
             key = _shared_key(params)
             if key is None:
-                out.append(prepare(settings, now=now, **params))
+                out.append(prepare(settings, now=now, **_spec_params(spec)))
                 continue
+            params = cast("dict[str, Any]", params)  # _shared_key took only a dict
             template = templates.get(key)
             if template is None:
                 template = templates[key] = _Template(settings, params, now)
-            out.append(template.instance(settings, params["prompt"], params.get("request_id")))
+            rid = params.get("request_id")
+            rid = fresh_ids[32 * i : 32 * i + 32] if rid is None else check_request_id(rid)
+            out.append(template.instance(max_bytes, params["prompt"], rid))
         except InvalidRequest as exc:
             raise InvalidRequest(f"requests[{i}]: {exc}") from None
     return out

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 
+from tokenfleet.producer.core import script_wire
 from tokenfleet.producer.core.effects import (
     AwaitConfirmation,
     Command,
@@ -86,11 +87,42 @@ class SyncDriver:
         return pipe.execute()
 
     def _run_scripts(self, effect: RunScripts) -> list[Any]:
-        r = self._redis
-        pipe = r.pipeline(transaction=False)
-        for call in effect.calls:
-            registry.queue(r, pipe, call.script, call.keys, call.args)
-        return pipe.execute()
+        """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
+        replies = self._exchange(effect.calls)
+        retry = script_wire.missing_scripts(replies)
+        if retry:  # the server lost its scripts: load them, run those calls again
+            for source in {effect.calls[i].script.source for i in retry}:
+                self._redis.script_load(source)
+            for i, reply in zip(
+                retry, self._exchange([effect.calls[i] for i in retry]), strict=True
+            ):
+                replies[i] = reply
+        return script_wire.raise_first_error(replies)
+
+    def _exchange(self, calls: list[RunScript]) -> list[Any]:
+        """Send ``calls`` on one pooled connection, then read one reply each (error replies
+        returned in place), retried on a lost connection as redis-py retries a pipeline."""
+        pool = self._redis.connection_pool
+        conn = pool.get_connection()
+
+        def exchange() -> list[Any]:
+            for packed in script_wire.packed_calls(conn, calls):
+                conn.send_packed_command(packed, check_health=False)
+            replies: list[Any] = []
+            for _ in calls:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # an error reply: the stream stays in sync
+                    replies.append(exc)
+            return replies
+
+        try:
+            return conn.retry.call_with_retry(exchange, lambda _: conn.disconnect())
+        except BaseException:
+            conn.disconnect()  # replies may be left unread: never hand this socket out again
+            raise
+        finally:
+            pool.release(conn)
 
     def _await_confirmation(self, effect: AwaitConfirmation) -> bool:
         sub = cast(Subscription, effect.mailbox)

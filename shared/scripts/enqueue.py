@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
@@ -39,6 +40,18 @@ EXPIRED_MESSAGE = "its deadline passed before any worker started it"
 
 # Read once, at import; registered once per connection by the registry.
 ENQUEUE = load_lua("tokenfleet.shared.scripts", "enqueue.lua")
+
+
+class EnqueueItemLike(Protocol):
+    """What the enqueue script takes of a request (``EnqueueItem``, or the producer's prepared
+    request as it is)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def payload(self) -> bytes: ...
+    @property
+    def deadline(self) -> float | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +73,7 @@ def enqueue_keys_args(
     keys: Keys,
     model: str,
     priority: Priority,
-    items: Sequence[EnqueueItem],
+    items: Sequence[EnqueueItemLike],
     *,
     now: float,
     ttl_s: int,

@@ -314,3 +314,29 @@ def test_generate_returns_completions_in_order(tok: Any) -> None:
     engine.add_request("x", PROMPTS[0])
     with pytest.raises(RuntimeError, match="idle engine"):
         engine.generate(["Hello"])
+
+
+def test_urgent_request_preempts_and_the_victim_recomputes_the_same_tokens(tok: Any) -> None:
+    # 6 blocks of 4: "low" (12-token prompt) holds 4 after a step; "crit" needs 3, finds 2
+    engine = make_engine(tok, num_kv_blocks=6)
+    low, crit = list(range(10, 22)), list(range(50, 62))
+    engine.add_request(
+        "low", low, SamplingParams(temperature=0, max_tokens=12), priority=Priority.BATCH
+    )
+    outs: dict[str, list[RequestOutput]] = {}
+    for out in engine.step():
+        outs.setdefault(out.request_id, []).append(out)
+    engine.add_request(
+        "crit", crit, SamplingParams(temperature=0, max_tokens=12), priority=Priority.CRITICAL
+    )
+    preemptions, finished = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs.setdefault(out.request_id, []).append(out)
+            finished += [out.request_id] if out.finished else []
+        preemptions.append(engine.last_step_stats.num_preemptions)
+    assert preemptions[0] == 1 and sum(preemptions) == 1  # at once, once
+    assert tokens_of(outs["low"]) == reference(low, 12, len(tok))
+    assert tokens_of(outs["crit"]) == reference(crit, 12, len(tok))
+    assert finished == ["crit", "low"]
+    assert engine.block_manager.num_used_blocks == 0

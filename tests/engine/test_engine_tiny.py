@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.engine.engine import Engine, EngineConfig, RequestOutput
 from tokenfleet.worker.engine.request import FinishReason, SamplingParams
 
@@ -253,3 +254,31 @@ def test_resume_in_the_middle_of_a_multi_byte_character(llama_engine: Engine) ->
         rest.extend(eng.step())
     published = "h"  # what the previous worker had streamed: the split 'é' was held back
     assert published + text(rest) == tok.decode([*ids[:2], *tokens(rest)])
+
+
+def test_urgent_request_preempts_and_greedy_output_is_unchanged(
+    engine: Engine, hf_model: Any
+) -> None:
+    """Issue 15: a critical request short of blocks preempts the running batch request at once;
+    the batch request is recomputed later and its greedy output is what HF generate gives."""
+    tok = engine.tokenizer
+    low, crit = tok.encode(TEXTS[8] + " " + TEXTS[8]), tok.encode(TEXTS[6])
+    eng = fresh(engine)
+    bm = eng.block_manager
+    num_blocks = [-(-len(p) // bm.block_size) for p in (low, crit, low + [0] * MAX_NEW_TOKENS)]
+    assert bm.num_blocks - num_blocks[0] < num_blocks[1] and num_blocks[2] <= bm.num_blocks
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
+    eng.add_request("low", low, greedy, priority=Priority.BATCH)
+    outs: dict[str, list[RequestOutput]] = {}
+    while "low" not in outs:  # its prefill done (admission waits while prefill fills the budget)
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+    eng.add_request("crit", crit, greedy, priority=Priority.CRITICAL)
+    preemptions = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+        preemptions.append(eng.last_step_stats.num_preemptions)
+    assert preemptions[0] == 1 and sum(preemptions) == 1
+    assert tokens(outs["low"]) == hf_greedy(hf_model, low, MAX_NEW_TOKENS)
+    assert tokens(outs["crit"]) == hf_greedy(hf_model, crit, MAX_NEW_TOKENS)

@@ -154,7 +154,8 @@ def test_wanted_blocks_by_priority_and_shortfall(tok: Any) -> None:
     assert port.num_blocks_wanted == 1
     engine.add_request("c", prompt(2, 5), GREEDY, priority=Priority.CRITICAL)  # 2 blocks
     assert port.num_blocks_wanted == 1 + 2
-    assert port.kv_block_shortfall() == (Priority.CRITICAL, 2)  # spare 0 under limit 2
+    # issue 15: the engine preempts "b" (batch) for "c" itself at the next step: nothing to ask
+    assert port.kv_block_shortfall() is None
     port.set_kv_block_limit(10)
     engine.step()
     assert port.blocks_by_priority() == [2, 0, 3]
@@ -166,6 +167,24 @@ def test_wanted_blocks_by_priority_and_shortfall(tok: Any) -> None:
     port.set_kv_block_limit(port.num_used_blocks)
     assert len(engine.scheduler.running) == 3
     assert port.kv_block_shortfall() is None
+
+
+def test_the_pool_is_asked_only_for_what_the_engine_cannot_free_itself(tok: Any) -> None:
+    engine = make_engine(tok, 64)
+    port = engine.pool_port()
+    port.set_kv_block_limit(4)
+    engine.add_request("c1", prompt(1, 5), GREEDY, priority=Priority.CRITICAL)  # 2 blocks
+    engine.add_request("b", prompt(2, 5), GREEDY, priority=Priority.BATCH)  # 2 blocks
+    engine.step()
+    assert port.num_used_blocks == 4
+    engine.add_request("c2", prompt(3, 5), GREEDY, priority=Priority.CRITICAL)
+    assert port.kv_block_shortfall() is None  # "b" is less urgent: the engine preempts it
+    engine.step()
+    assert engine.last_step_stats.num_preemptions == 1
+    assert [r.request_id for r in engine.scheduler.running] == ["c1", "c2"]
+    assert port.num_used_blocks == 4
+    engine.add_request("c3", prompt(4, 5), GREEDY, priority=Priority.CRITICAL)
+    assert port.kv_block_shortfall() == (Priority.CRITICAL, 2)  # only equals run: ask the pool
 
 
 def test_shared_prefix_blocks_count_once_for_the_most_urgent(tok: Any) -> None:

@@ -19,6 +19,7 @@ from typing import Protocol
 from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.worker.engine.block_manager import extend_block_hashes, num_blocks_for
 from tokenfleet.worker.engine.outputs import StepStats
+from tokenfleet.worker.engine.preemption import admission_victim
 from tokenfleet.worker.engine.request import Request
 from tokenfleet.worker.engine.scheduler import Scheduler
 
@@ -137,7 +138,8 @@ class PoolPort:
     def kv_block_shortfall(self) -> tuple[Priority, int] | None:
         """(priority, blocks lacking) of the head waiting request when only the block limit
         keeps it out: what a pool member asks its pool for. None when it fits, when the engine's
-        own cache is what is short (more budget would not help), or with no limit."""
+        own cache is what is short (more budget would not help), when the engine will preempt its
+        own less urgent work for it at the next step, or with no limit."""
         bm = self._block_manager
         head = self._admissible_head()
         if head is None or bm.block_limit is None:
@@ -146,7 +148,9 @@ class PoolPort:
         if num_take > bm.num_free_blocks:
             return None
         lacking = num_take - max(0, bm.block_limit - bm.num_used_blocks)
-        return (head.priority, lacking) if lacking > 0 else None
+        if lacking <= 0 or admission_victim(head, self._scheduler.running, bm) is not None:
+            return None  # it fits, or the next step preempts less urgent work here for it
+        return (head.priority, lacking)
 
     # -------------------------------------------------------------------------------- action
 

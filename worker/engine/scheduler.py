@@ -13,9 +13,10 @@ Urgency is ``Request.sort_key``: boosted first, then priority, then arrival. Whe
 request needs a block and none is free, the least urgent running request (lowest priority, latest
 arrival) is preempted by recompute: its blocks are freed and it waits again, ahead of later
 arrivals of its priority. A waiting request that has waited ``max_wait_steps`` steps or
-``max_wait_s`` seconds is boosted: it goes to the front of admission and may preempt less urgent
-running requests to get in. Boosted requests are ordered by arrival among themselves, so two
-starving requests never preempt each other back and forth.
+``max_wait_s`` seconds is boosted: it goes to the front of admission. At admission, a request that
+cannot start may preempt running work (``preemption.admission_victim``): one short of KV blocks
+preempts running requests of a strictly less urgent priority that are not boosted; a boosted one
+preempts anything less urgent than itself.
 
 Shared KV pool (issue 6): the block manager's ``block_limit`` is the member's grant. Admission and
 growth stay within it; when it was lowered below the blocks in use, the next ``schedule`` first
@@ -39,6 +40,7 @@ from tokenfleet.worker.engine.block_manager import (
     extend_block_hashes,
     num_blocks_for,
 )
+from tokenfleet.worker.engine.preemption import admission_victim
 from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -219,10 +221,10 @@ class Scheduler:
                 is AllocStatus.NOW
             )
             if not fits:
-                starved_out = self._starvation_victim(req)
-                if starved_out is None:
+                make_room = admission_victim(req, self.running, self.block_manager)
+                if make_room is None:
                     break
-                budget += self._preempt(starved_out, out, decode, prefill)
+                budget += self._preempt(make_room, out, decode, prefill)
                 continue
             self.waiting.pop(0)
             num_cached = self.block_manager.allocate(
@@ -321,28 +323,6 @@ class Scheduler:
                 req.boosted = changed = True
         if changed:
             self.waiting.sort(key=_sort_key)
-
-    def _starvation_victim(self, req: Request) -> Request | None:
-        """The running request a boosted ``req`` may preempt now, or None.
-
-        Only requests less urgent than ``req`` qualify, and only when preempting all of them could
-        make room at all (no futile preemptions).
-        """
-        if not req.boosted:
-            return None
-        key = req.sort_key
-        victims = [r for r in self.running if r.sort_key > key]
-        if not victims:
-            return None
-        bm = self.block_manager
-        reclaimable: set[int] = set()
-        for r in victims:
-            reclaimable.update(bm.block_table(r.request_id))
-        num_needed = num_blocks_for(req.num_tokens, self.block_size)
-        num_needed -= bm.num_cache_hit_blocks(req.num_tokens, req.block_hashes)
-        if num_needed > bm.num_allocatable_blocks + len(reclaimable):
-            return None
-        return victims[-1]
 
     def _mark_finished(
         self,
