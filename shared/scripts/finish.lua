@@ -7,8 +7,8 @@
 -- ARGV[7] = consumer group name          ARGV[8] = finishing worker's name, or "" (no guard)
 -- ARGV[9..] = extra record fields as field, value pairs (text, finish_reason, usage, ...)
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal, or
--- {"lost", holder} (nothing changed) if ARGV[8] is set and the live record is not held by it
--- or is gone (a worker never recreates a record Redis lost).
+-- {"lost", holder} (nothing changed) if ARGV[8] is set and the live record is not held by it,
+-- or is gone and the end is done (never a truncated success; an error end is written).
 -- @include tf_finish.lua
 
 local fields = {}

@@ -24,7 +24,7 @@ for i = 1, #KEYS / 3 do
   a = ev + count
   local h = redis.call('HMGET', rec, 'status', 'worker')
   if not h[1] then
-    out[i + 1] = {'corrupt', 'its record is gone (deleted, or its TTL lapsed) while it ran'}
+    out[i + 1] = {'corrupt', 'its record is gone while it ran (deleted, its TTL lapsed, or Redis lost it)'}
   elseif not known[h[1]] then
     out[i + 1] = {'corrupt', "its record's status '" .. h[1] .. "' is not a request status"}
   elseif h[1] ~= 'running' or h[2] ~= ARGV[1] then
