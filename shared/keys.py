@@ -8,6 +8,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:q:M:L            stream of waiting/in-flight requests for one (model, priority) queue
     P:qcfg:M:L         hash: max_waiting, policy (the queue's bound and overflow policy)
     P:queues           set of "M|L" queue names that have ever been used
+    P:drained          hash: "M|L" -> requests started from that queue so far (its drain rate)
     P:req:ID           hash: the request's durable record
     P:req:ID:tok       list: token events, element i is the event with index i
     P:ch:ID            pub/sub channel of the request's events
@@ -65,13 +66,12 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
-class Keys:
-    """Builds names under one prefix. Cheap to construct; holds no connection."""
+class _QueueKeys:
+    """Queues: streams, their settings, their counters."""
 
-    prefix: str = "tokenfleet"
+    __slots__ = ()
+    prefix: str
 
-    # -- queues -------------------------------------------------------------------------------
     def stream(self, model: str, priority: Priority) -> str:
         """The stream holding one (model, priority) queue."""
         return f"{self.prefix}:q:{model}:{priority.label}"
@@ -85,12 +85,24 @@ class Keys:
         """Set of ``model|label`` names of every queue used so far."""
         return f"{self.prefix}:queues"
 
+    @property
+    def drained(self) -> str:
+        """Hash: ``model|label`` -> how many requests workers have started from that queue (a
+        counter; its rate is the queue's drain rate, read by the gateway for Retry-After)."""
+        return f"{self.prefix}:drained"
+
     @staticmethod
     def queue_member(model: str, priority: Priority) -> str:
         """The member naming a queue in :attr:`queues`."""
         return f"{model}|{priority.label}"
 
-    # -- requests -----------------------------------------------------------------------------
+
+class _RequestKeys:
+    """One request's record, tokens and channel; the cancel set."""
+
+    __slots__ = ()
+    prefix: str
+
     def record(self, request_id: str) -> str:
         """Hash: the request's durable record."""
         return f"{self.prefix}:req:{request_id}"
@@ -108,7 +120,13 @@ class Keys:
         """Set of running request ids whose cancellation was asked for."""
         return f"{self.prefix}:cancel"
 
-    # -- workers ------------------------------------------------------------------------------
+
+class _WorkerKeys:
+    """Workers' heartbeats and the dead-letter stream."""
+
+    __slots__ = ()
+    prefix: str
+
     def worker(self, name: str) -> str:
         """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
         return f"{self.prefix}:worker:{name}"
@@ -123,7 +141,13 @@ class Keys:
         """Stream of entries no worker could decode or validate."""
         return f"{self.prefix}:dead"
 
-    # -- shared KV pools ----------------------------------------------------------------------
+
+class _PoolKeys:
+    """Shared KV pools."""
+
+    __slots__ = ()
+    prefix: str
+
     def pool(self, name: str) -> str:
         """Hash: a shared KV pool's settings."""
         return f"{self.prefix}:pool:{name}"
@@ -140,3 +164,11 @@ class Keys:
     def pools(self) -> str:
         """Set of pool names."""
         return f"{self.prefix}:pools"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys):
+    """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
+    in groups, one base class per room of the layout above."""
+
+    prefix: str = "tokenfleet"

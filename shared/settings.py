@@ -92,7 +92,7 @@ class Settings:
                 continue
             name = var[len("TOKENFLEET_") :].lower()
             if name not in known:
-                if name in _ENV_OWNED_ELSEWHERE:
+                if name in _ENV_OWNED_ELSEWHERE or name.startswith(_ENV_PREFIXES_OWNED_ELSEWHERE):
                     continue
                 raise SettingsError(
                     f"unknown setting {var}; known: "
@@ -144,6 +144,8 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "num_workers",
     }
 )
+# The gateway's settings (``TOKENFLEET_GATEWAY_*``, producer/gateway/settings.py).
+_ENV_PREFIXES_OWNED_ELSEWHERE = ("gateway_",)
 
 
 def _parse(name: str, raw: str, var: str) -> Any:

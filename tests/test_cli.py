@@ -21,6 +21,7 @@ COMMANDS = (
     "follow",
     "cancel",
     "queues",
+    "serve",
     "status",
     "make-tiny-model",
     "bench",

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.producer.commands import cancel, follow, get, queues, submit
+from tokenfleet.producer.commands import cancel, follow, get, queues, serve, submit
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
@@ -43,6 +43,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     follow.register,
     cancel.register,
     queues.register,
+    serve.register,
     status.register,
     make_tiny_model.register,
     bench.register,

@@ -1,11 +1,13 @@
 -- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
 -- KEYS[3] = cancel set                   KEYS[4] = request token list
+-- KEYS[5] = queue drain counters (optional: absent skips the count): hash queue member -> starts
 -- ARGV[1] = request id                   ARGV[2] = worker name
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = stream entry id
 -- ARGV[5] = consumer group name          ARGV[6] = poison limit (max workers per request)
 -- ARGV[7] = deadline (epoch seconds) or ""
 -- ARGV[8] = the request's model, ARGV[9] = its priority label (optional: absent or "" skips
 --           the comparison with the record's)
+-- ARGV[10] = the queue member (model|label) whose counter in KEYS[5] counts this start
 -- Returns one of
 --   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
 --                                 events are the token list (what earlier workers published)
@@ -69,6 +71,9 @@ if attempts > tonumber(ARGV[6]) then
   return {'poison', tostring(attempts - 1)}
 end
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'attempts', attempts)
+if KEYS[5] then  -- a waiting request left its queue: the gateway's Retry-After reads the rate
+  redis.call('HINCRBY', KEYS[5], ARGV[10], 1)
+end
 if not started then
   redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
 end

@@ -115,7 +115,13 @@ class Starter:
             rid = req.request_id
             pipe.script(
                 START,
-                [self.keys.record(rid), entry.stream, self.keys.cancel_set, self.keys.tokens(rid)],
+                [
+                    self.keys.record(rid),
+                    entry.stream,
+                    self.keys.cancel_set,
+                    self.keys.tokens(rid),
+                    self.keys.drained,
+                ],
                 [
                     rid,
                     self.worker_name,
@@ -126,6 +132,7 @@ class Starter:
                     "" if req.deadline is None else repr(req.deadline),
                     req.model,
                     req.priority.label,
+                    Keys.queue_member(req.model, req.priority),
                 ],
             )
         order = self.streams.queue_pull(pipe, budget) if budget > 0 else []

@@ -1,0 +1,221 @@
+"""``Gateway``: what every route shares — the async client, API keys, models, drain, metrics.
+
+One per app, made in the app's lifespan. Each ``/v1`` call goes: :meth:`caller` (the API key,
+or nobody when keys are off) → parse the body → :meth:`check_priority` → :meth:`check_model`
+(404 unknown, 503 no live worker) → :meth:`admit` (the key's RPM/TPM, 429) → :meth:`submit`
+(the queue's bound, 429 with a Retry-After from its drain rate). Nothing is enqueued unless
+every check before the submit passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfleet.producer.async_client import AsyncClient
+from tokenfleet.producer.async_handle import AsyncHandle
+from tokenfleet.producer.gateway.auth import ApiKey, ApiKeyStore, AuthError
+from tokenfleet.producer.gateway.drain import DrainMeter
+from tokenfleet.producer.gateway.errors import ApiError, from_tokenfleet
+from tokenfleet.producer.gateway.identity import make_request_id
+from tokenfleet.producer.gateway.metrics import GatewayMetrics
+from tokenfleet.producer.gateway.openai_api import Submission
+from tokenfleet.producer.gateway.responses import Framing
+from tokenfleet.producer.gateway.settings import GatewaySettings
+from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
+from tokenfleet.shared.priority import Priority
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who is calling: their API key (None when keys are off)."""
+
+    key: ApiKey | None = None
+
+    @property
+    def owner(self) -> str | None:
+        """The prefix of the request ids this caller owns (see ``identity``)."""
+        return self.key.key_id if self.key is not None else None
+
+
+@dataclass(slots=True)
+class Accepted:
+    """A submitted request, as the route answers it."""
+
+    handle: AsyncHandle
+    framing: Framing
+    headers: dict[str, str] = field(default_factory=dict)
+    charged_tokens: int = 0
+
+
+class Gateway:
+    """The routes' shared state and checks (see the module docstring for the order)."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        settings: GatewaySettings,
+        *,
+        key_store: ApiKeyStore | None,
+        drain: DrainMeter,
+    ) -> None:
+        self.client = client
+        self.settings = settings
+        self.key_store = key_store
+        self.drain = drain
+        self.metrics = GatewayMetrics()
+        self._models: tuple[float, dict[str, Any]] = (0.0, {})
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- who, which model ---------------------------------------------------------------------
+    async def caller(self, authorization: str | None) -> Caller:
+        """The caller's key from ``Authorization: Bearer KEY`` (401 when keys are required and
+        it is missing, unknown or revoked)."""
+        if not self.settings.auth_required or self.key_store is None:
+            return Caller()
+        presented = None
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            presented = token.strip() if scheme.lower() == "bearer" else None
+        try:
+            return Caller(await self.key_store.authenticate(presented))
+        except AuthError as exc:
+            raise ApiError(401, str(exc), code="invalid_api_key") from None
+
+    async def models(self) -> dict[str, Any]:
+        """The fleet's models by name (``ModelInfo``), cached for ``models_ttl_s``."""
+        at, models = self._models
+        if time.monotonic() - at > self.settings.models_ttl_s:
+            models = {m.name: m for m in await self.client.models()}
+            self._models = (time.monotonic(), models)
+        return models
+
+    async def check_model(self, model: str) -> None:
+        """404 for a model nobody serves or declared, 503 for one with no live worker now."""
+        info = (await self.models()).get(model)
+        if info is None:
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist: no worker serves it and the fleet does "
+                "not declare it (GET /v1/models lists the served ones)",
+                code="model_not_found",
+                param="model",
+            )
+        if not info.served:
+            raise ApiError(
+                503,
+                f"no worker is serving the model '{model}' now; try again when one is",
+                code="model_unavailable",
+                param="model",
+                headers={"Retry-After": "5"},
+            )
+
+    def check_priority(self, caller: Caller, asked: str | None) -> Priority:
+        """The priority to submit at: the one asked for (default normal, or the key's ceiling
+        when that is lower); 403 when a key asks above its ceiling."""
+        try:
+            priority = Priority.parse(asked) if asked is not None else Priority.NORMAL
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), code="invalid_priority", param="priority") from None
+        if caller.key is None:
+            return priority
+        ceiling = caller.key.priority_ceiling
+        if asked is None:
+            return max(priority, ceiling)  # a larger value is less urgent
+        if priority < ceiling:
+            raise ApiError(
+                403,
+                f"this API key may submit at priority '{ceiling.label}' or below, not "
+                f"'{priority.label}'",
+                code="priority_above_ceiling",
+                param="priority",
+            )
+        return priority
+
+    async def admit(self, caller: Caller, tokens: int) -> dict[str, str]:
+        """Charge the key's quota (429 with Retry-After when over); the rate-limit headers."""
+        if caller.key is None or self.key_store is None:
+            return {}
+        decision = await self.key_store.admit(caller.key, tokens)
+        if not decision.allowed:
+            wait = max(1, round(decision.retry_after_s + 0.5))
+            raise ApiError(
+                429,
+                f"rate limit of API key '{caller.key.name}' reached; retry in {wait} s",
+                code="rate_limit_exceeded",
+                headers={
+                    **decision.headers,
+                    "Retry-After": str(wait),
+                    "retry-after-ms": str(max(1, int(decision.retry_after_s * 1000))),
+                },
+            )
+        return dict(decision.headers)
+
+    # -- submitting ---------------------------------------------------------------------------
+    async def submit(
+        self,
+        sub: Submission,
+        caller: Caller,
+        priority: Priority,
+        headers: Mapping[str, str],
+    ) -> Accepted:
+        """Check, charge and enqueue ``sub``; the handle and how to frame its answer."""
+        await self.check_model(sub.model)
+        rate_headers = await self.admit(caller, sub.estimated_tokens)
+        rid = make_request_id(sub.kind, caller.owner, headers.get("idempotency-key"))
+        try:
+            handle = await self.client.submit(
+                model=sub.model,
+                priority=priority,
+                request_id=rid,
+                timeout=self.settings.submit_wait_s,
+                **sub.params,
+            )
+        except Overloaded as exc:
+            await self.refund(caller, sub.estimated_tokens)
+            raise await self._overloaded(exc, sub.model, priority, rate_headers) from None
+        except TokenfleetError as exc:
+            await self.refund(caller, sub.estimated_tokens)
+            err = from_tokenfleet(exc)
+            err.headers.update(rate_headers)
+            raise err from None
+        framing = Framing(rid, sub.kind, sub.model, int(time.time()))
+        return Accepted(
+            handle, framing, {"X-Request-Id": rid, **rate_headers}, sub.estimated_tokens
+        )
+
+    async def _overloaded(
+        self, exc: Overloaded, model: str, priority: Priority, headers: dict[str, str]
+    ) -> ApiError:
+        slots = 1
+        for q in await self.client.queue_stats():
+            if q.model == model and q.priority == priority.label:
+                slots = max(1, q.waiting - q.max_waiting + 1)
+        wait = self.drain.retry_after_s(model, priority, slots)
+        return ApiError(
+            429,
+            f"{exc} Retry in about {wait} s (the queue's recent drain rate).",
+            code="queue_full",
+            headers={**headers, "Retry-After": str(wait)},
+        )
+
+    async def refund(self, caller: Caller, charged: int, used: int = 0) -> None:
+        """Settle a key's token charge with what was used (0 for a refused request)."""
+        if caller.key is not None and self.key_store is not None and charged:
+            await self.key_store.settle(caller.key, charged, used)
+
+    def spawn(self, coro: Any) -> None:
+        """Run ``coro`` detached from the HTTP request (a disconnect cancels the request's
+        task; what must happen after it — cancelling the generation — runs here)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        """Wait for detached work, then close the client."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.client.aclose()

@@ -1,0 +1,48 @@
+"""Request ids the gateway makes, and who owns them.
+
+A gateway request id is ``[OWNER.]KIND-SUFFIX``: ``KIND`` is ``chatcmpl`` or ``cmpl`` (which
+endpoint made it, so a resumed stream is framed as the original was), ``SUFFIX`` 32 random hex
+digits or, with an ``Idempotency-Key``, derived from it, and ``OWNER`` the API key's id when
+keys are required. Ownership is read from the id itself — no lookup, so it holds across any
+number of gateway processes: a key sees only ids that start with its own id and a dot (others
+get 404, as if they did not exist), and two keys sending the same ``Idempotency-Key`` get two
+different requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from typing import Literal
+
+Kind = Literal["chat", "completion"]
+_PREFIX: dict[Kind, str] = {"chat": "chatcmpl", "completion": "cmpl"}
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # used as is; anything else is hashed
+
+
+def make_request_id(kind: Kind, owner: str | None, idempotency_key: str | None = None) -> str:
+    """A new request id, or the one ``idempotency_key`` always maps to (for this owner and
+    kind). Keys of up to 64 letters, digits, ``_`` or ``-`` appear in the id verbatim (easy
+    to find in logs); any other key is hashed (BLAKE2b-128)."""
+    if idempotency_key is None:
+        suffix = os.urandom(16).hex()
+    elif _PLAIN_KEY.match(idempotency_key):
+        suffix = "k-" + idempotency_key
+    else:
+        digest = hashlib.blake2b(idempotency_key.encode("utf-8"), digest_size=16).hexdigest()
+        suffix = "h-" + digest
+    rid = f"{_PREFIX[kind]}-{suffix}"
+    return f"{owner}.{rid}" if owner else rid
+
+
+def owns(owner: str | None, request_id: str) -> bool:
+    """May the caller identified by ``owner`` (None: keys are off) see ``request_id``?"""
+    return owner is None or request_id.startswith(owner + ".")
+
+
+def kind_of(request_id: str) -> Kind:
+    """Which endpoint's framing a request's stream uses: chat for ``chatcmpl-`` ids, else
+    completion (ids made elsewhere, e.g. by the Python client, read as text completions)."""
+    bare = request_id.split(".", 1)[1] if "." in request_id.split("-", 1)[0] else request_id
+    return "chat" if bare.startswith("chatcmpl-") else "completion"

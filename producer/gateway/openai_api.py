@@ -1,0 +1,251 @@
+"""OpenAI request bodies → the producer's ``submit`` arguments.
+
+The body models are pydantic (strict: ``"1"`` is not a number, ``true`` is not an integer), so
+a wrong type is a 400 that names the field. Every field OpenAI defines that tokenfleet does not
+support is refused with a 400 naming it when it asks for something (``n`` > 1, ``logprobs``,
+tools, penalties other than 0, ...); it is accepted when it holds the value that means "off". A
+field OpenAI does not define and we do not add is refused too: nothing is silently ignored.
+
+Extensions (README, "HTTP gateway"): ``priority`` (critical | normal | batch), ``deadline_s``,
+``top_k``, ``ignore_eos``, ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenfleet.producer.gateway.errors import ApiError
+from tokenfleet.producer.gateway.identity import Kind
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint defaults to
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: only ``include_usage``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Fields both endpoints share. ``extra="allow"`` so unknown fields reach
+    :func:`_refuse_unsupported`, which names them (pydantic's own message is less clear)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str = Field(min_length=1)
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extensions
+    priority: str | None = None
+    deadline_s: float | None = None
+    top_k: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    # OpenAI fields we accept only when they ask for nothing
+    n: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: bool | int | None = None
+    top_logprobs: int | None = None
+    service_tier: str | None = None
+
+
+class CompletionBody(_Common):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int]
+    echo: bool | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content: only text parts are supported."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: str
+    text: str | None = None
+
+
+class Message(BaseModel):
+    """One chat message. ``name`` is accepted and not used (documented)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Common):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+
+
+# field -> test that the value asks for nothing (so accepting it ignores nothing)
+_OFF: dict[str, Callable[[Any], bool]] = {
+    "n": lambda v: v == 1,
+    "presence_penalty": lambda v: v == 0,
+    "frequency_penalty": lambda v: v == 0,
+    "logit_bias": lambda v: not v,
+    "logprobs": lambda v: v is False or v == 0,
+    "top_logprobs": lambda v: v == 0,
+    "service_tier": lambda v: v in ("auto", "default"),
+    "echo": lambda v: v is False,
+    "best_of": lambda v: v == 1,
+    "suffix": lambda v: v == "",
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: not v,
+    "function_call": lambda v: v == "none",
+    "parallel_tool_calls": lambda v: True,  # meaningless without tools, which are refused
+    "response_format": lambda v: v == {"type": "text"},
+    "store": lambda v: v is False,
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """A parsed body: what to submit, and how to answer."""
+
+    kind: Kind
+    model: str
+    stream: bool
+    include_usage: bool
+    params: dict[str, Any]  # submit() keyword arguments, without request_id / priority
+    priority: str | None  # from the body (the header is the route's)
+    estimated_tokens: int  # prompt (about 4 characters a token) + max_tokens: what TPM charges
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    for name in sorted(body.model_extra or {}):
+        raise ApiError(400, f"unknown parameter '{name}'", code="unknown_parameter", param=name)
+    for name, is_off in _OFF.items():
+        value = getattr(body, name, None)
+        if value is not None and not is_off(value):
+            raise ApiError(
+                400,
+                f"'{name}' = {value!r} is not supported by tokenfleet",
+                code="unsupported_parameter",
+                param=name,
+            )
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(
+            400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
+
+
+def _sampling(body: _Common, max_tokens: int | None, default_max: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_tokens": default_max if max_tokens is None else max_tokens}
+    for name in ("temperature", "top_p", "seed", "top_k", "ignore_eos"):
+        value = getattr(body, name)
+        if value is not None:
+            params[name] = value
+    if body.stop is not None:
+        params["stop"] = body.stop
+    if body.stop_token_ids is not None:
+        params["stop_token_ids"] = body.stop_token_ids
+    if body.deadline_s is not None:
+        params["deadline_s"] = body.deadline_s
+    if body.user is not None:
+        params["metadata"] = {"user": body.user}
+    return params
+
+
+def completion_submission(body: CompletionBody) -> Submission:
+    """A ``/v1/completions`` body as a submission (``ApiError`` 400 names what is wrong)."""
+    _refuse_unsupported(body)
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise ApiError(
+                400, "a list of several prompts is not supported: send one", param="prompt"
+            )
+        prompt = prompt[0]
+    params = _sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    params["prompt"] = prompt
+    size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt)
+    return Submission(
+        "completion",
+        body.model,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        params,
+        body.priority,
+        size + params["max_tokens"],
+    )
+
+
+def _message_text(i: int, message: Message) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise ApiError(
+                400,
+                f"messages[{i}].content[{j}] is a '{part.type}' part: only text is supported",
+                param=f"messages[{i}].content[{j}]",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_submission(body: ChatBody, default_max_tokens: int) -> Submission:
+    """A ``/v1/chat/completions`` body as a submission."""
+    _refuse_unsupported(body)
+    messages = []
+    for i, message in enumerate(body.messages):
+        role = _ROLES.get(message.role)
+        if role is None:
+            raise ApiError(
+                400,
+                f"messages[{i}].role '{message.role}' is not supported "
+                "(system, developer, user, assistant)",
+                param=f"messages[{i}].role",
+            )
+        messages.append({"role": role, "content": _message_text(i, message)})
+    both = body.max_tokens is not None and body.max_completion_tokens is not None
+    if both and body.max_tokens != body.max_completion_tokens:
+        raise ApiError(
+            400,
+            "max_tokens and max_completion_tokens disagree: send one",
+            param="max_completion_tokens",
+        )
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
+    params = _sampling(body, limit if limit is not None else body.max_tokens, default_max_tokens)
+    params["messages"] = messages
+    size = sum(len(m["content"]) for m in messages) // 4
+    return Submission(
+        "chat",
+        body.model,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        params,
+        body.priority,
+        size + params["max_tokens"],
+    )

@@ -1,0 +1,195 @@
+"""``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
+
+Headers (README, "HTTP gateway"): ``Authorization: Bearer KEY`` (when keys are required),
+``X-Priority`` (critical | normal | batch; the body's ``priority`` wins), ``X-Deadline-S``
+(seconds to start within; the body's ``deadline_s`` wins), ``Idempotency-Key`` (the same key
+and body return the same request; another body under it is 409), ``X-On-Disconnect`` (cancel |
+continue). Every answer carries ``X-Request-Id``; a stream's chunks carry it as their ``id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from tokenfleet.producer.gateway.errors import ApiError
+from tokenfleet.producer.gateway.gateway import Accepted, Caller, Gateway
+from tokenfleet.producer.gateway.openai_api import (
+    ChatBody,
+    CompletionBody,
+    Submission,
+    chat_submission,
+    completion_submission,
+)
+from tokenfleet.producer.gateway.responses import failure, used_tokens
+from tokenfleet.producer.gateway.settings import DISCONNECT_MODES
+from tokenfleet.producer.gateway.streams import StreamState, openai_events, parse_last_event_id
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
+
+router = APIRouter()
+
+
+def gateway_of(request: Request) -> Gateway:
+    """The app's ``Gateway`` (made in its lifespan)."""
+    gw: Gateway = request.app.state.gateway
+    return gw
+
+
+async def caller_of(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Caller:
+    """Dependency: the caller (401 before the body is even validated)."""
+    return await gateway_of(request).caller(authorization)
+
+
+CallerDep = Annotated[Caller, Depends(caller_of)]
+
+
+def _disconnect_mode(gw: Gateway, header: str | None) -> str:
+    if header is None:
+        return gw.settings.on_disconnect
+    mode = header.strip().lower()
+    if mode not in DISCONNECT_MODES:
+        raise ApiError(
+            400, "X-On-Disconnect must be 'cancel' or 'continue'", param="X-On-Disconnect"
+        )
+    return mode
+
+
+def _with_header_extensions(sub: Submission, request: Request) -> tuple[Submission, str | None]:
+    """The body's priority/deadline, else the headers'."""
+    priority = sub.priority if sub.priority is not None else request.headers.get("x-priority")
+    deadline = request.headers.get("x-deadline-s")
+    if deadline is not None and "deadline_s" not in sub.params:
+        try:
+            sub.params["deadline_s"] = float(deadline)
+        except ValueError:
+            raise ApiError(
+                400, "X-Deadline-S must be a number of seconds", param="X-Deadline-S"
+            ) from None
+    return sub, priority
+
+
+async def _answer(request: Request, gw: Gateway, caller: Caller, sub: Submission) -> Any:
+    sub, asked = _with_header_extensions(sub, request)
+    mode = _disconnect_mode(gw, request.headers.get("x-on-disconnect"))
+    priority = gw.check_priority(caller, asked)
+    accepted = await gw.submit(sub, caller, priority, request.headers)
+    if sub.stream:
+        from_index = parse_last_event_id(request.headers.get("last-event-id"))
+        return _stream(gw, caller, accepted, sub, mode, from_index)
+    return await _whole(request, gw, caller, accepted, mode)
+
+
+def _stream(
+    gw: Gateway, caller: Caller, accepted: Accepted, sub: Submission, mode: str, from_index: int
+) -> EventSourceResponse:
+    state = StreamState()
+    handle = accepted.handle
+    rid = handle.request_id
+
+    async def on_close(_message: Any) -> None:  # the client went away
+        if state.ended:
+            return
+        gw.metrics.disconnects.labels(mode).inc()
+        if mode == "cancel":
+            gw.spawn(gw.client.cancel(rid))
+
+    async def body() -> Any:
+        gw.metrics.streams_open.inc()
+        try:
+            events = handle.stream(from_index)
+            async for sse in openai_events(
+                events,
+                accepted.framing,
+                from_index=from_index,
+                include_usage=sub.include_usage,
+                state=state,
+            ):
+                yield sse
+        finally:
+            gw.metrics.streams_open.dec()
+            handle.close()
+            if state.terminal is not None:
+                gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(state.terminal)))
+
+    return EventSourceResponse(
+        body(), headers=accepted.headers, ping=15, client_close_handler_callable=on_close
+    )
+
+
+async def _collect(gw: Gateway, accepted: Accepted) -> tuple[str, TerminalEvent]:
+    texts: list[str] = []
+    async for event in accepted.handle.stream():
+        if isinstance(event, TokenEvent):
+            texts.append(event.text)
+        else:
+            return "".join(texts), event
+    raise RuntimeError("a handle's stream ended without its terminal event")  # invariant
+
+
+async def _whole(
+    request: Request, gw: Gateway, caller: Caller, accepted: Accepted, mode: str
+) -> JSONResponse:
+    """Wait for the end, or for the client to leave (then cancel or continue, per ``mode``)."""
+    rid = accepted.handle.request_id
+    work = asyncio.ensure_future(_collect(gw, accepted))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            accepted.handle.close()
+    if not work.done() or work.cancelled():
+        gw.metrics.disconnects.labels(mode).inc()
+        if mode == "cancel":
+            gw.spawn(gw.client.cancel(rid))
+        return JSONResponse({}, status_code=499)  # nobody reads it: the client is gone
+    text, terminal = work.result()
+    accepted.handle.close()
+    gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(terminal)))
+    if terminal.status is not TerminalStatus.DONE:
+        err = failure(terminal)
+        err.headers.update(accepted.headers)
+        raise err
+    return JSONResponse(accepted.framing.response(text, terminal), headers=accepted.headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body has been read: only that can come)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionBody, caller: CallerDep) -> Any:
+    """OpenAI's (legacy) text completions."""
+    return await _answer(request, gateway_of(request), caller, completion_submission(body))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatBody, caller: CallerDep) -> Any:
+    """OpenAI's chat completions."""
+    gw = gateway_of(request)
+    return await _answer(request, gw, caller, chat_submission(body, gw.settings.default_max_tokens))
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, caller: CallerDep) -> dict[str, Any]:
+    """The models some live worker serves now."""
+    models = await gateway_of(request).models()
+    data = []
+    for info in sorted(models.values(), key=lambda m: m.name):
+        if info.served:
+            data.append(
+                {"id": info.name, "object": "model", "created": 0, "owned_by": "tokenfleet"}
+            )
+    return {"object": "list", "data": data}
