@@ -1,0 +1,137 @@
+"""Real processes for the gateway tests: ``tokenfleet serve`` (uvicorn) and ``tokenfleet
+worker``, each a child process on the session's private Redis under a test's key prefix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from tokenfleet.shared.keys import Keys
+
+DEADLINE_S = 120.0
+
+
+def wait_for(check: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Poll ``check`` until it returns something truthy; AssertionError naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process whose output goes to a log file."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str], log_path: Path) -> None:
+        self.log_path = log_path
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            list(args), env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+class Gateway(Proc):
+    """``tokenfleet serve`` on a free port."""
+
+    def __init__(
+        self, redis_url: str, prefix: str, log_dir: Path, *extra: str, name: str = "gateway"
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(self.port)]
+        args += ["--log-level", "warning", *extra]
+        env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix}
+        super().__init__(args, env, log_dir / f"{name}.log")
+
+    def wait_ready(self) -> Gateway:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"the gateway exited:\n{self.output()}")
+            try:
+                return httpx.get(self.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(ready, "the gateway's /health")
+        return self
+
+
+class Worker(Proc):
+    """``tokenfleet worker`` on a model folder."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        redis_url: str,
+        prefix: str,
+        name: str,
+        log_dir: Path,
+        *extra: str,
+    ) -> None:
+        self.name = name
+        self.keys = Keys(prefix)
+        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", str(model_dir)]
+        args += ["--name", name, "--threads", "1", "--heartbeat-ttl-s", "2", *extra]
+        env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix}
+        super().__init__(args, env, log_dir / f"{name}.log")
+
+    def wait_ready(self, r: redis.Redis) -> Worker:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"worker {self.name} exited:\n{self.output()}")
+            return bool(r.exists(self.keys.worker(self.name)))
+
+        wait_for(ready, f"worker {self.name}'s heartbeat")
+        return self
+
+
+def sse_lines(response: httpx.Response) -> Any:
+    """(field, value) pairs of an SSE response, one per non-empty line; ``("", "")`` at each
+    blank line (an event's end)."""
+    for line in response.iter_lines():
+        if not line:
+            yield "", ""
+            continue
+        name, _, value = line.partition(":")
+        yield name, value.removeprefix(" ")

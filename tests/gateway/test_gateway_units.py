@@ -1,0 +1,163 @@
+"""Fast checks of the gateway's pure parts: ids and ownership, body parsing, settings, the
+drain meter's arithmetic, error shapes. No processes, no Redis."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from tokenfleet.producer.gateway.drain import MAX_RETRY_AFTER_S, DrainMeter
+from tokenfleet.producer.gateway.errors import ApiError
+from tokenfleet.producer.gateway.identity import kind_of, make_request_id, owns
+from tokenfleet.producer.gateway.openai_api import (
+    ChatBody,
+    CompletionBody,
+    chat_submission,
+    completion_submission,
+)
+from tokenfleet.producer.gateway.settings import GatewaySettings
+from tokenfleet.producer.gateway.streams import parse_last_event_id
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.keys import Keys, check_request_id
+from tokenfleet.shared.priority import Priority
+
+
+def test_ids_are_valid_and_scoped_per_owner_and_kind() -> None:
+    for owner in (None, "k1a2b3c4d5"):
+        for kind in ("chat", "completion"):
+            for idem in (None, "order-42", "order 42/ü", "x" * 300):
+                rid = make_request_id(kind, owner, idem)
+                check_request_id(rid)
+                assert kind_of(rid) == kind
+                assert owns(owner, rid)
+    assert make_request_id("chat", "a1", "k") == make_request_id("chat", "a1", "k")
+    assert make_request_id("chat", "a1", "k") != make_request_id("chat", "b2", "k")
+    assert make_request_id("chat", None, "k") != make_request_id("completion", None, "k")
+    assert make_request_id("chat", None) != make_request_id("chat", None)
+    assert not owns("a1", make_request_id("chat", "b2"))
+    assert not owns("a1", "chatcmpl-123")  # an id made without a key belongs to no key
+    assert kind_of("0123abcd") == "completion"  # made by the Python client
+
+
+def test_last_event_id() -> None:
+    assert parse_last_event_id(None) == 0
+    assert parse_last_event_id("7") == 8
+    assert parse_last_event_id(" 0 ") == 1
+    assert parse_last_event_id("-3") == 0
+    assert parse_last_event_id("abc") == 0
+
+
+def test_completion_body_to_submit_arguments() -> None:
+    sub = completion_submission(
+        CompletionBody(model="m", prompt=["one"], max_tokens=5, stop="x", seed=3, user="u", top_k=4)
+    )
+    assert sub.kind == "completion"
+    assert sub.params == {
+        "prompt": "one",
+        "max_tokens": 5,
+        "stop": "x",
+        "seed": 3,
+        "top_k": 4,
+        "metadata": {"user": "u"},
+    }
+    assert completion_submission(CompletionBody(model="m", prompt="p")).params["max_tokens"] == 16
+    ids = completion_submission(CompletionBody(model="m", prompt=[1, 2, 3]))
+    assert ids.params["prompt"] == [1, 2, 3]
+    with pytest.raises(ApiError) as info:
+        completion_submission(CompletionBody(model="m", prompt=["a", "b"]))
+    assert info.value.param == "prompt"
+
+
+def test_chat_body_roles_parts_and_token_limits() -> None:
+    body = ChatBody(
+        model="m",
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+        max_completion_tokens=7,
+    )
+    sub = chat_submission(body, default_max_tokens=256)
+    assert sub.params["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab"},
+    ]
+    assert sub.params["max_tokens"] == 7
+    assert (
+        chat_submission(
+            ChatBody(model="m", messages=[{"role": "user", "content": "x"}]), 99
+        ).params["max_tokens"]
+        == 99
+    )
+    with pytest.raises(ApiError, match="disagree"):
+        chat_submission(
+            ChatBody(
+                model="m",
+                messages=[{"role": "user", "content": "x"}],
+                max_tokens=1,
+                max_completion_tokens=2,
+            ),
+            9,
+        )
+    image = ChatBody(
+        model="m",
+        messages=[{"role": "user", "content": [{"type": "image_url"}]}],
+    )
+    with pytest.raises(ApiError) as info:
+        chat_submission(image, 9)
+    assert info.value.param == "messages[0].content[0]"
+
+
+@pytest.mark.parametrize(
+    ("field", "off", "on"),
+    [
+        ("n", 1, 3),
+        ("logprobs", False, True),
+        ("presence_penalty", 0, 0.2),
+        ("frequency_penalty", 0.0, 1),
+        ("logit_bias", {}, {"1": 5}),
+        ("response_format", {"type": "text"}, {"type": "json_object"}),
+        ("tool_choice", "none", "auto"),
+        ("store", False, True),
+    ],
+)
+def test_unsupported_fields_pass_only_when_off(field: str, off: object, on: object) -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    chat_submission(ChatBody(**base, **{field: off}), 9)
+    with pytest.raises(ApiError) as info:
+        chat_submission(ChatBody(**base, **{field: on}), 9)
+    assert info.value.param == field
+    assert info.value.status == 400
+
+
+def test_settings_from_env() -> None:
+    s = GatewaySettings.from_env(
+        {"TOKENFLEET_GATEWAY_PORT": "9001", "TOKENFLEET_GATEWAY_AUTH": "required"}, host="0.0.0.0"
+    )
+    assert (s.port, s.auth_required, s.host) == (9001, True, "0.0.0.0")
+    with pytest.raises(SettingsError, match="TOKENFLEET_GATEWAY_PORTT"):
+        GatewaySettings.from_env({"TOKENFLEET_GATEWAY_PORTT": "1"})
+    with pytest.raises(SettingsError, match="must be a int"):
+        GatewaySettings.from_env({"TOKENFLEET_GATEWAY_PORT": "x"})
+    with pytest.raises(SettingsError):
+        GatewaySettings(auth="maybe")
+    with pytest.raises(SettingsError):
+        GatewaySettings(on_disconnect="ignore")
+
+
+def test_drain_meter_rate_and_retry_after() -> None:
+    meter = DrainMeter(None, Keys("t"), window_s=30)  # type: ignore[arg-type]
+    member = Keys.queue_member("m", Priority.NORMAL)
+    meter._samples[member] = deque([(100.0, 10), (110.0, 30)])  # 2 starts a second
+    assert meter.rate("m", Priority.NORMAL) == pytest.approx(2.0)
+    assert meter.retry_after_s("m", Priority.NORMAL) == 1
+    assert meter.retry_after_s("m", Priority.NORMAL, slots=9) == 5
+    meter._samples[member] = deque([(100.0, 10), (200.0, 11)])  # one start in 100 s
+    assert meter.retry_after_s("m", Priority.NORMAL) == 100
+    assert meter.retry_after_s("m", Priority.NORMAL, slots=50) == MAX_RETRY_AFTER_S
+    # nothing drained: the time observed so far, at least 1 s
+    assert 1 <= meter.retry_after_s("m", Priority.BATCH) <= 30
