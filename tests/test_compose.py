@@ -36,14 +36,16 @@ def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def test_compose_file_is_valid_and_has_the_fleet() -> None:
     services = _config()["services"]
-    assert {"redis", "worker", "demo", "cron", "rq-worker", "tiny-model"} <= set(services)
+    assert {"redis", "worker", "demo", "cron", "rq-worker", "tiny-model", "gateway"} <= set(
+        services
+    )
     assert "worker-gpu" not in services  # behind the gpu profile
 
 
 def test_redis_has_a_healthcheck_and_everything_waits_for_it() -> None:
     services = _config()["services"]
     assert "redis-cli" in " ".join(services["redis"]["healthcheck"]["test"])
-    for name in ("worker", "demo", "cron"):
+    for name in ("worker", "demo", "cron", "gateway"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
@@ -65,6 +67,14 @@ def test_gpu_workers_reserve_a_gpu() -> None:
     assert gpu["environment"]["TOKENFLEET_DEVICE"] == "cuda"
 
 
-def test_dockerfile_installs_the_worker_extra() -> None:
+def test_dockerfile_installs_the_worker_and_gateway_extras() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert "pip install '.[worker]'" in text and 'ENTRYPOINT ["tokenfleet"]' in text
+    assert "pip install '.[worker,gateway]'" in text and 'ENTRYPOINT ["tokenfleet"]' in text
+
+
+def test_gateway_serves_on_all_interfaces_with_a_health_check() -> None:
+    gateway = _config()["services"]["gateway"]
+    assert gateway["command"][:1] == ["serve"]
+    assert "0.0.0.0" in gateway["command"]
+    assert "/health" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["environment"]["REDIS_URL"] == "redis://redis:6379/0"
