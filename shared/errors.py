@@ -62,6 +62,14 @@ class Overloaded(TokenfleetError):
     code = "overloaded"
 
 
+class AuthError(TokenfleetError):
+    """An HTTP caller's API key is missing, malformed, unknown or revoked (the gateway answers
+    401). The message says whether a key was missing or not accepted, never why it was not
+    accepted, so it does not tell a caller which key ids exist."""
+
+    code = "invalid_api_key"
+
+
 class UnknownRequest(TokenfleetError, KeyError):
     """No durable record exists for this request id (never submitted, or its TTL lapsed)."""
 

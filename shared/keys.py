@@ -20,6 +20,11 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:pool:NAME:members  hash: member -> JSON state (weight, held, active, lease expiry, ...)
     P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
     P:pools            set of pool names
+    P:apikey:KID       hash: one gateway API key (name, SHA-256 digest of the key, priority
+                       ceiling, rpm, tpm, created_at, revoked_at) and its quota buckets
+                       (tokenfleet.producer.gateway.auth; the plaintext key is never stored)
+    P:apikeys          set of API key ids (live and revoked)
+    P:apikeys:names    hash: name -> key id of every live (unrevoked) API key
 """
 
 from __future__ import annotations
@@ -64,6 +69,29 @@ def check_name(kind: str, name: str) -> str:
             f"{kind} name {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-'"
         )
     return name
+
+
+class _GatewayKeys:
+    """The HTTP gateway's names, a base of :class:`Keys` (use them through ``Keys``): kept in a
+    class of their own so that no class here outgrows tests/test_layout.py's method limit."""
+
+    __slots__ = ()
+    prefix: str  # the field of Keys
+
+    # -- gateway API keys ---------------------------------------------------------------------
+    def api_key(self, key_id: str) -> str:
+        """Hash: one API key's record (digest, never the key) and its quota buckets."""
+        return f"{self.prefix}:apikey:{key_id}"
+
+    @property
+    def api_keys(self) -> str:
+        """Set of the ids of every API key ever created (revoked ones stay listed)."""
+        return f"{self.prefix}:apikeys"
+
+    @property
+    def api_key_names(self) -> str:
+        """Hash: name -> id of each live API key (names are unique among live keys)."""
+        return f"{self.prefix}:apikeys:names"
 
 
 class _QueueKeys:
@@ -167,7 +195,7 @@ class _PoolKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys):
+class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys):
     """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
     in groups, one base class per room of the layout above."""
 

@@ -22,13 +22,14 @@ COMMANDS = (
     "cancel",
     "queues",
     "serve",
+    "keys",
     "status",
     "make-tiny-model",
     "bench",
     "pool",
 )
 # Commands whose options live on their actions; each action must take --redis-url.
-ACTIONS = {"pool": ("create", "show")}
+ACTIONS = {"pool": ("create", "show"), "keys": ("create", "list", "revoke")}
 
 
 def test_every_command_module_exists_and_registers() -> None:

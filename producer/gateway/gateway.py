@@ -10,6 +10,7 @@ every check before the submit passed.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,10 +24,11 @@ from tokenfleet.producer.gateway.errors import ApiError, from_tokenfleet
 from tokenfleet.producer.gateway.identity import make_request_id
 from tokenfleet.producer.gateway.metrics import GatewayMetrics
 from tokenfleet.producer.gateway.openai_api import Submission
-from tokenfleet.producer.gateway.responses import Framing
+from tokenfleet.producer.gateway.responses import Framing, used_tokens
 from tokenfleet.producer.gateway.settings import GatewaySettings
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import TerminalEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,20 +138,32 @@ class Gateway:
         return priority
 
     async def admit(self, caller: Caller, tokens: int) -> dict[str, str]:
-        """Charge the key's quota (429 with Retry-After when over); the rate-limit headers."""
+        """Charge the key's quota (429 with Retry-After when over, 400 when the request alone
+        is over the key's TPM); the rate-limit headers."""
         if caller.key is None or self.key_store is None:
             return {}
-        decision = await self.key_store.admit(caller.key, tokens)
+        try:
+            decision = await self.key_store.admit(caller.key, tokens)
+        except AuthError as exc:  # revoked since it was authenticated
+            raise ApiError(401, str(exc), code="invalid_api_key") from None
+        if decision.too_large:  # no wait helps: not a 429 (clients retry those)
+            raise ApiError(
+                400,
+                decision.message,
+                code="request_too_large",
+                param="max_tokens",
+                headers=decision.headers,
+            )
         if not decision.allowed:
-            wait = max(1, round(decision.retry_after_s + 0.5))
+            wait = max(1, math.ceil(decision.retry_after_s))
             raise ApiError(
                 429,
-                f"rate limit of API key '{caller.key.name}' reached; retry in {wait} s",
+                decision.message,
                 code="rate_limit_exceeded",
                 headers={
                     **decision.headers,
                     "Retry-After": str(wait),
-                    "retry-after-ms": str(max(1, int(decision.retry_after_s * 1000))),
+                    "retry-after-ms": str(max(1, math.ceil(decision.retry_after_s * 1000))),
                 },
             )
         return dict(decision.headers)
@@ -206,6 +220,22 @@ class Gateway:
         """Settle a key's token charge with what was used (0 for a refused request)."""
         if caller.key is not None and self.key_store is not None and charged:
             await self.key_store.settle(caller.key, charged, used)
+
+    def settle_later(self, caller: Caller, request_id: str, charged: int) -> None:
+        """Settle the key's token charge when the request ends (its client left first)."""
+        if caller.key is None or not charged:
+            return
+
+        async def wait_and_settle() -> None:
+            handle = self.client.handle(request_id)
+            try:
+                async for event in handle.stream():
+                    if isinstance(event, TerminalEvent):
+                        await self.refund(caller, charged, used_tokens(event))
+            finally:
+                handle.close()
+
+        self.spawn(wait_and_settle())
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` detached from the HTTP request (a disconnect cancels the request's

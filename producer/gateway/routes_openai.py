@@ -98,6 +98,7 @@ def _stream(
         gw.metrics.disconnects.labels(mode).inc()
         if mode == "cancel":
             gw.spawn(gw.client.cancel(rid))
+        gw.settle_later(caller, rid, accepted.charged_tokens)
 
     async def body() -> Any:
         gw.metrics.streams_open.inc()
@@ -150,6 +151,7 @@ async def _whole(
         gw.metrics.disconnects.labels(mode).inc()
         if mode == "cancel":
             gw.spawn(gw.client.cancel(rid))
+        gw.settle_later(caller, rid, accepted.charged_tokens)
         return JSONResponse({}, status_code=499)  # nobody reads it: the client is gone
     text, terminal = work.result()
     accepted.handle.close()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -10,7 +12,7 @@ from conftest import Fleet
 
 pytestmark = pytest.mark.slow
 
-CHAT = [{"role": "user", "content": "Say something about Redis."}]
+CHAT: Any = [{"role": "user", "content": "Say something about Redis."}]
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +20,7 @@ def sdk(fleet: Fleet) -> openai.OpenAI:
     return openai.OpenAI(base_url=fleet.base_url, api_key="unused", max_retries=0)
 
 
-def chat_text(sdk: openai.OpenAI, **kw) -> tuple[str, str | None]:
+def chat_text(sdk: openai.OpenAI, **kw: Any) -> tuple[str, str | None]:
     r = sdk.chat.completions.create(model="default", messages=CHAT, **kw)
     return r.choices[0].message.content or "", r.choices[0].finish_reason
 
@@ -42,7 +44,7 @@ def test_chat_non_stream_usage_and_length(sdk: openai.OpenAI) -> None:
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_stream_equals_non_stream_greedy(sdk: openai.OpenAI, endpoint: str) -> None:
-    kw = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
     if endpoint == "chat":
         whole = sdk.chat.completions.create(model="default", messages=CHAT, **kw)
         expected = whole.choices[0].message.content
@@ -100,7 +102,7 @@ def test_stop_string_ends_the_text(sdk: openai.OpenAI) -> None:
 
 
 def test_seed_makes_sampling_repeatable(sdk: openai.OpenAI) -> None:
-    kw = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    kw: dict[str, Any] = {"max_tokens": 16, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
     first = [chat_text(sdk, seed=s, **kw)[0] for s in (1, 2, 3)]
     again = [chat_text(sdk, seed=s, **kw)[0] for s in (1, 2, 3)]
     assert first == again
@@ -156,7 +158,7 @@ def test_unknown_model_is_404(sdk: openai.OpenAI) -> None:
         ({"extra_body": {"bogus": 1}}, "bogus"),
     ],
 )
-def test_unsupported_parameters_are_named(sdk: openai.OpenAI, kw: dict, param: str) -> None:
+def test_unsupported_parameters_are_named(sdk: openai.OpenAI, kw: Any, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         sdk.chat.completions.create(model="default", messages=CHAT, **kw)
     assert info.value.param == param

@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from tokenfleet.worker.devtools.local_redis import RedisServer
 
 pytestmark = pytest.mark.slow
 
-HOG = {"model": "default", "prompt": "hog", "max_tokens": 4000, "ignore_eos": True}
+HOG: dict[str, Any] = {"model": "default", "prompt": "hog", "max_tokens": 4000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def hog(busy_fleet: Fleet) -> Iterator[str]:
     wait_for(lambda: status(busy_fleet, rid) == "cancelled", "the hog to end")
 
 
-def queued(fleet: Fleet, **extra: object) -> str:
+def queued(fleet: Fleet, **extra: Any) -> str:
     """Submit one request that will wait behind the hog (no stream: answered at its end)."""
     with client_of(fleet) as client:
         return client.submit(model="default", prompt="wait", max_tokens=4, **extra).request_id

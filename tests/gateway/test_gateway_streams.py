@@ -91,6 +91,7 @@ def test_resume_after_the_connection_is_cut(fleet: Fleet, endpoint: str) -> None
         follower.start()
         first, last = read_until(resp, 9)
     # the connection is closed here, mid-stream: the request goes on (continue)
+    assert last is not None
     rest, datas = read_rest(fleet.base_url, rid, last)
     follower.join(60)
     tokens = first + rest

@@ -4,6 +4,7 @@ drain meter's arithmetic, error shapes. No processes, no Redis."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,11 @@ from tokenfleet.producer.gateway.streams import parse_last_event_id
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import Keys, check_request_id
 from tokenfleet.shared.priority import Priority
+
+
+def chat(**fields: Any) -> ChatBody:
+    """A chat body from plain JSON-like values (as the app receives them)."""
+    return ChatBody.model_validate(fields)
 
 
 def test_ids_are_valid_and_scoped_per_owner_and_kind() -> None:
@@ -70,7 +76,7 @@ def test_completion_body_to_submit_arguments() -> None:
 
 
 def test_chat_body_roles_parts_and_token_limits() -> None:
-    body = ChatBody(
+    body = chat(
         model="m",
         messages=[
             {"role": "developer", "content": "be brief"},
@@ -88,14 +94,14 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
     ]
     assert sub.params["max_tokens"] == 7
     assert (
-        chat_submission(
-            ChatBody(model="m", messages=[{"role": "user", "content": "x"}]), 99
-        ).params["max_tokens"]
+        chat_submission(chat(model="m", messages=[{"role": "user", "content": "x"}]), 99).params[
+            "max_tokens"
+        ]
         == 99
     )
     with pytest.raises(ApiError, match="disagree"):
         chat_submission(
-            ChatBody(
+            chat(
                 model="m",
                 messages=[{"role": "user", "content": "x"}],
                 max_tokens=1,
@@ -103,7 +109,7 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
             ),
             9,
         )
-    image = ChatBody(
+    image = chat(
         model="m",
         messages=[{"role": "user", "content": [{"type": "image_url"}]}],
     )
@@ -127,9 +133,9 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
 )
 def test_unsupported_fields_pass_only_when_off(field: str, off: object, on: object) -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    chat_submission(ChatBody(**base, **{field: off}), 9)
+    chat_submission(chat(**base, **{field: off}), 9)
     with pytest.raises(ApiError) as info:
-        chat_submission(ChatBody(**base, **{field: on}), 9)
+        chat_submission(chat(**base, **{field: on}), 9)
     assert info.value.param == field
     assert info.value.status == 400
 

@@ -27,6 +27,10 @@ def test_every_name_starts_with_the_prefix_and_names_are_distinct() -> None:
         k.pool_members("p"),
         k.pool_preemptions("p"),
         k.pools,
+        k.api_key("abc123def0"),
+        k.api_key("abc123def1"),
+        k.api_keys,
+        k.api_key_names,
     ]
     assert all(n.startswith("fleet:") for n in names)
     assert len(set(names)) == len(names)

@@ -1,40 +1,31 @@
-"""PLACEHOLDER until the API-key branch lands (issue 17 item 6)."""
+"""Gateway API keys with per-key quotas, stored in Redis (issue 17, item 6).
+
+Imports no web framework: the gateway calls it, and it is tested on its own.
+
+* :class:`ApiKeyAdmin` (sync; ``tokenfleet keys create|list|revoke``) creates a key
+  ``tf-<key_id>-<secret>`` and shows it once; Redis keeps only its SHA-256 digest
+  (:mod:`.model` has the format and the record's layout).
+* :class:`ApiKeyStore` (asyncio; the gateway) authenticates a presented key (``AuthError``,
+  code ``invalid_api_key``, on a missing, malformed, unknown or revoked one), admits a request
+  against the key's limits and settles its token charge once the usage is known. A revoked key
+  is refused by ``authenticate`` within ``cache_s`` seconds (2 by default) on every gateway,
+  and by ``admit`` at once.
+* Quotas (:mod:`.quota`): two token buckets per key, requests (capacity ``rpm``) and tokens
+  (capacity ``tpm``), each refilling its limit per minute; check-and-charge of both is one Lua
+  script (``lua/api_key_admit.lua``) on Redis ``TIME``, so the limits hold exactly across
+  gateway processes. :class:`RateDecision` carries OpenAI's ``x-ratelimit-*`` headers and a
+  ``Retry-After`` derived from the refill.
+
+Isolation between keys is the gateway's: it prefixes each request id with ``ApiKey.key_id``
+(10 of ``[a-z0-9]``), so a key only ever names its own requests.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from tokenfleet.producer.gateway.auth.admin import ApiKeyAdmin
+from tokenfleet.producer.gateway.auth.model import ApiKey
+from tokenfleet.producer.gateway.auth.quota import RateDecision, format_duration
+from tokenfleet.producer.gateway.auth.store import ApiKeyStore
+from tokenfleet.shared.errors import AuthError
 
-from tokenfleet.shared.priority import Priority
-
-
-class AuthError(Exception):
-    """Missing, unknown or revoked key."""
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    key_id: str
-    name: str
-    priority_ceiling: Priority
-
-
-@dataclass(frozen=True)
-class RateDecision:
-    allowed: bool
-    retry_after_s: float
-    headers: dict[str, str]
-
-
-class ApiKeyStore:
-    def __init__(self, redis: Any, settings: Any) -> None:
-        self.redis = redis
-
-    async def authenticate(self, presented: str | None) -> ApiKey:
-        raise AuthError("keys are not built yet")
-
-    async def admit(self, key: ApiKey, tokens: int) -> RateDecision:
-        return RateDecision(True, 0.0, {})
-
-    async def settle(self, key: ApiKey, charged: int, used: int) -> None:
-        return None
+__all__ = ["ApiKey", "ApiKeyAdmin", "ApiKeyStore", "AuthError", "RateDecision", "format_duration"]
