@@ -1,0 +1,148 @@
+"""API keys at the gateway, as a client meets them: 401 for a missing, unknown or revoked key;
+429 with Retry-After and ``x-ratelimit-*`` headers past a key's RPM; 403 above its priority
+ceiling; and one key never sees, resumes or cancels another key's request (404)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+from conftest import Fleet, start_fleet
+from gateway_helpers import wait_for
+
+from tokenfleet.producer.gateway.auth import ApiKeyAdmin
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+pytestmark = pytest.mark.slow
+
+BODY = {"model": "default", "prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def keyed(
+    redis_server: RedisServer,
+    plain_redis: redis.Redis,
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Fleet]:
+    log_dir = tmp_path_factory.mktemp("gateway-auth-logs")
+    f = start_fleet(
+        redis_server, plain_redis, tiny_llama_dir, log_dir, gateway_args=("--auth", "required")
+    )
+    try:
+        yield f
+    finally:
+        f.gateway.close()
+        f.worker.close()
+
+
+def admin(fleet: Fleet) -> ApiKeyAdmin:
+    settings = Settings(redis_url=fleet.redis_url, key_prefix=fleet.prefix)
+    return ApiKeyAdmin(fleet.r, settings)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_missing_garbage_and_revoked_keys_are_401(keyed: Fleet) -> None:
+    url = keyed.base_url + "/completions"
+    for headers in ({}, bearer("nonsense"), bearer("tf-aaaaaaaaaa-wrong"), {"Authorization": "x"}):
+        resp = httpx.post(url, json=BODY, headers=headers, timeout=30)
+        assert resp.status_code == 401, headers
+        assert resp.json()["error"]["code"] == "invalid_api_key"
+    secret, key = admin(keyed).create("soon-revoked")
+    assert httpx.post(url, json=BODY, headers=bearer(secret), timeout=60).status_code == 200
+    admin(keyed).revoke(key.key_id)
+    wait_for(  # each gateway re-reads a key within its cache bound (2 s)
+        lambda: httpx.post(url, json=BODY, headers=bearer(secret), timeout=60).status_code == 401,
+        "the revoked key to be refused",
+        timeout_s=30,
+    )
+    sdk = openai.OpenAI(base_url=keyed.base_url, api_key=secret, max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        sdk.models.list()
+
+
+def test_rpm_limit_is_429_with_retry_after_and_headers(keyed: Fleet) -> None:
+    secret, _ = admin(keyed).create("three-a-minute", rpm=3)
+    url = keyed.base_url + "/completions"
+    answers = [httpx.post(url, json=BODY, headers=bearer(secret), timeout=60) for _ in range(4)]
+    assert [a.status_code for a in answers] == [200, 200, 200, 429]
+    assert answers[0].headers["x-ratelimit-limit-requests"] == "3"
+    assert answers[0].headers["x-ratelimit-remaining-requests"] == "2"
+    refused = answers[3]
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 20  # one request refills in 20 s
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+
+
+def test_a_request_over_the_tpm_itself_is_400(keyed: Fleet) -> None:
+    secret, _ = admin(keyed).create("small-tpm", tpm=50)
+    resp = httpx.post(
+        keyed.base_url + "/completions",
+        json={**BODY, "max_tokens": 500},
+        headers=bearer(secret),
+        timeout=30,
+    )
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_priority_ceiling(keyed: Fleet) -> None:
+    secret, _ = admin(keyed).create("batchy", priority_ceiling="batch")
+    url = keyed.base_url + "/completions"
+    resp = httpx.post(url, json={**BODY, "priority": "critical"}, headers=bearer(secret))
+    assert resp.status_code == 403
+    assert resp.json()["error"]["code"] == "priority_above_ceiling"
+    resp = httpx.post(url, json=BODY, headers=bearer(secret), timeout=60)  # defaults to batch
+    assert resp.status_code == 200
+    rid = resp.headers["x-request-id"]
+    record = httpx.get(f"{keyed.base_url}/requests/{rid}", headers=bearer(secret), timeout=10)
+    assert record.json()["priority"] == "batch"
+
+
+def test_keys_are_isolated_from_each_other(keyed: Fleet) -> None:
+    alice, alice_key = admin(keyed).create("alice")
+    bob, _ = admin(keyed).create("bob")
+    body = {**BODY, "max_tokens": 300, "ignore_eos": True, "stream": True}
+    headers = {**bearer(alice), "X-On-Disconnect": "continue", "Idempotency-Key": "shared-key"}
+    with httpx.stream(
+        "POST", keyed.base_url + "/completions", json=body, headers=headers, timeout=60
+    ) as resp:
+        rid = resp.headers["x-request-id"]
+    assert rid.startswith(alice_key.key_id + ".")
+    for method, path in [
+        ("GET", f"/requests/{rid}"),
+        ("GET", f"/requests/{rid}/events"),
+        ("POST", f"/requests/{rid}/cancel"),
+    ]:
+        resp = httpx.request(method, keyed.base_url + path, headers=bearer(bob), timeout=10)
+        assert resp.status_code == 404, path
+    # bob's own request under the same Idempotency-Key is another request
+    mine = httpx.post(
+        keyed.base_url + "/completions",
+        json={**BODY, "prompt": "bob's"},
+        headers={**bearer(bob), "Idempotency-Key": "shared-key"},
+        timeout=60,
+    )
+    assert mine.status_code == 200
+    assert mine.headers["x-request-id"] != rid
+    final = wait_for(
+        lambda: (
+            (
+                rec := httpx.get(
+                    f"{keyed.base_url}/requests/{rid}", headers=bearer(alice), timeout=10
+                ).json()
+            )["status"]
+            == "done"
+            and rec
+        ),
+        "alice's request to finish untouched",
+    )
+    assert final["num_tokens"] == 300
