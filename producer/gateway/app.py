@@ -117,9 +117,10 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}"
             return JSONResponse(error_body(400, message, code="invalid_json"), status_code=400)
         param = _param(tuple(first.get("loc", ())))
-        message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
         if param is None and first.get("type") == "missing":
             message = "the body is missing: send a JSON object"
+            return JSONResponse(error_body(400, message, code="invalid_json"), status_code=400)
+        message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
         return JSONResponse(
             error_body(400, message, code="invalid_type", param=param), status_code=400
         )
