@@ -10,8 +10,11 @@ Fields of the hash (all values are strings; times are epoch seconds):
     num_tokens      token events published so far (== length of the token list)
     worker          name of the worker running it (empty when none)
     attempts        how many workers have taken it (the poison guard counts these)
-    fingerprint     hash of the request body without its times (set by the enqueue script;
-                    a resubmit under the same id must match it, see ``request_fingerprint``)
+    fingerprint     hash of the request body without its times (set by the enqueue script
+                    when the client chose the id, else empty; a resubmit under the same id must
+                    match it, see ``request_fingerprint``)
+    waiting_on      the model, when the request was accepted while no live worker served it
+                    (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)
     finish_reason, code, message        how it ended
     usage, timings  JSON objects, set with the terminal status
@@ -89,6 +92,7 @@ class RequestRecord:
     message: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    waiting_on: str = ""  # the model it waits on: accepted while no live worker served it
 
     @classmethod
     def from_hash(
@@ -121,6 +125,7 @@ class RequestRecord:
             message=h.get("message") or None,
             usage=_json(h.get("usage")),
             timings=_json(h.get("timings")),
+            waiting_on=h.get("waiting_on") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,4 +149,5 @@ class RequestRecord:
             "message": self.message,
             "usage": self.usage,
             "timings": self.timings,
+            "waiting_on": self.waiting_on,
         }

@@ -55,9 +55,15 @@ class RunScript:
 @dataclass(slots=True)
 class RunScripts:
     """Run several scripts in one pipeline without MULTI (one round trip). Reply: the raw
-    replies in order, unchecked (each may carry its own refusal code)."""
+    replies in order, unchecked (each may carry its own refusal code).
+
+    ``meanwhile``, if given, is called exactly once, after every call was sent and before any
+    reply is read, so the plan's own work (``submit_many`` makes its handles there) overlaps
+    Redis's; it does no I/O, and the plan keeps what it makes (a closure). If it raises, the
+    effect raises that (the replies are never read, the connection is dropped)."""
 
     calls: list[RunScript]
+    meanwhile: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from typing import Any
 from tokenfleet.producer.core.request import Prepared
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
+    ModelNotServed,
     Overloaded,
     ScriptError,
     TokenfleetError,
@@ -40,17 +41,17 @@ _ENQUEUED = frozenset({"new", "exists", b"new", b"exists"})
 
 
 def enqueue_refusals(
-    reply: Sequence[Any], request_ids: Sequence[str]
+    reply: Sequence[Any], request_ids: Sequence[str], model: str | None = None
 ) -> list[TokenfleetError | None]:
-    """Per request of a checked ENQUEUE reply (``request_ids`` in the call's order): None when it
-    is enqueued (``new``, or ``exists`` from an earlier call), else the exception of its
-    refusal. The same outcomes as :func:`enqueue_pairs` with :func:`refusal`, without decoding
-    the values of enqueued ones."""
+    """Per request of a checked ENQUEUE reply (``request_ids`` in the call's order, all for
+    ``model``): None when it is enqueued (``new``, or ``exists`` from an earlier call), else the
+    exception of its refusal. The same outcomes as :func:`enqueue_pairs` with :func:`refusal`,
+    without decoding the values of enqueued ones."""
     codes, values = reply[1::2], reply[2::2]
     if len(codes) != len(values):
         return [refusal(c, v) for c, v in enqueue_pairs(reply)]  # raises as enqueue_pairs does
     return [
-        None if code in _ENQUEUED else refusal(as_str(code) or "", as_str(value) or "", rid)
+        None if code in _ENQUEUED else refusal(as_str(code) or "", as_str(value) or "", rid, model)
         for code, value, rid in zip(codes, values, request_ids, strict=True)
     ]
 
@@ -63,13 +64,17 @@ def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
     return as_str(reply[1]) or "", as_str(reply[2]) or ""
 
 
-def refusal(code: str, message: str, request_id: str | None = None) -> TokenfleetError:
-    """The exception for a per-request refusal code of the enqueue script (``request_id``: the
-    refused request's, carried by ``IdempotencyConflict``)."""
+def refusal(
+    code: str, message: str, request_id: str | None = None, model: str | None = None
+) -> TokenfleetError:
+    """The exception for a per-request refusal code of the enqueue script (``request_id`` and
+    ``model``: the refused request's, carried by ``IdempotencyConflict`` / ``ModelNotServed``)."""
     if code == "full":
         return Overloaded(message)
     if code == "conflict":
         return IdempotencyConflict(message, request_id=request_id)
+    if code == "unserved":
+        return ModelNotServed(message, model=model)
     error = ERROR_CODES.get(code)
     if error is None:
         return ScriptError(f"script enqueue returned unknown code {code!r}: {message}")
@@ -143,9 +148,13 @@ def is_overdue(record: RequestRecord) -> bool:
 
 def plan_batches(prepared: Sequence[Prepared]) -> list[tuple[tuple[str, Priority], list[int]]]:
     """Group request indices by queue, in chunks of at most :data:`ENQUEUE_CHUNK`."""
+    queues = [(p.model, p.priority) for p in prepared]
     groups: dict[tuple[str, Priority], list[int]] = {}
-    for i, p in enumerate(prepared):
-        groups.setdefault((p.model, p.priority), []).append(i)
+    if queues and queues.count(queues[0]) == len(queues):  # the usual bulk call: one queue
+        groups[queues[0]] = list(range(len(queues)))
+    else:
+        for i, queue in enumerate(queues):
+            groups.setdefault(queue, []).append(i)
     plan = []
     for queue, indices in groups.items():
         for j in range(0, len(indices), ENQUEUE_CHUNK):

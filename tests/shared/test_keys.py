@@ -23,6 +23,8 @@ def test_every_name_starts_with_the_prefix_and_names_are_distinct() -> None:
         k.worker("w1"),
         k.workers,
         k.dead_letter,
+        k.served,
+        k.declared,
         k.pool("p"),
         k.pool_members("p"),
         k.pool_preemptions("p"),
