@@ -26,7 +26,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.priority import Priority
@@ -36,6 +36,16 @@ DEFAULT_MODEL = "default"
 _MODEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# The names that depend on the prefix alone: attribute of ``Keys`` -> suffix after "P:".
+_FIXED_NAMES = (
+    ("queues", "queues"),
+    ("cancel_set", "cancel"),
+    ("workers", "workers"),
+    ("served", "served"),
+    ("declared", "models"),
+    ("dead_letter", "dead"),
+    ("pools", "pools"),
+)
 
 
 def check_model_name(model: str) -> str:
@@ -69,9 +79,28 @@ def check_name(kind: str, name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Keys:
-    """Builds names under one prefix. Cheap to construct; holds no connection."""
+    """Builds names under one prefix. Cheap to construct; holds no connection.
+
+    Names that depend on the prefix alone are attributes, set once; names of one queue,
+    request, worker or pool are methods.
+    """
 
     prefix: str = "tokenfleet"
+    queues: str = field(init=False)  # set: "model|label" names of every queue used so far
+    cancel_set: str = field(init=False)  # set: running request ids whose cancel was asked for
+    workers: str = field(init=False)  # sorted set: worker name -> its last heartbeat (epoch s)
+    # sorted set: model -> epoch seconds until which a live worker's heartbeat says it serves
+    # that model (ZADD GT: the latest expiry of its servers); served while in the future
+    served: str = field(init=False)
+    # set: model names the fleet declares (`tokenfleet models declare`): accepted at submit
+    # even while no live worker serves them
+    declared: str = field(init=False)
+    dead_letter: str = field(init=False)  # stream: entries no worker could decode or validate
+    pools: str = field(init=False)  # set: shared KV pool names
+
+    def __post_init__(self) -> None:
+        for name, suffix in _FIXED_NAMES:
+            object.__setattr__(self, name, f"{self.prefix}:{suffix}")  # frozen: set once here
 
     # -- queues -------------------------------------------------------------------------------
     def stream(self, model: str, priority: Priority) -> str:
@@ -81,11 +110,6 @@ class Keys:
     def queue_config(self, model: str, priority: Priority) -> str:
         """Hash with the queue's ``max_waiting`` and ``policy``."""
         return f"{self.prefix}:qcfg:{model}:{priority.label}"
-
-    @property
-    def queues(self) -> str:
-        """Set of ``model|label`` names of every queue used so far."""
-        return f"{self.prefix}:queues"
 
     @staticmethod
     def queue_member(model: str, priority: Priority) -> str:
@@ -105,38 +129,10 @@ class Keys:
         """Pub/sub channel carrying the request's token and terminal events."""
         return f"{self.prefix}:ch:{request_id}"
 
-    @property
-    def cancel_set(self) -> str:
-        """Set of running request ids whose cancellation was asked for."""
-        return f"{self.prefix}:cancel"
-
     # -- workers ------------------------------------------------------------------------------
     def worker(self, name: str) -> str:
         """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
         return f"{self.prefix}:worker:{name}"
-
-    @property
-    def workers(self) -> str:
-        """Sorted set: worker name -> time of its last heartbeat (epoch seconds)."""
-        return f"{self.prefix}:workers"
-
-    @property
-    def served(self) -> str:
-        """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
-        serves that model (``ZADD GT``: the latest expiry of its servers). Served while the score
-        is in the future."""
-        return f"{self.prefix}:served"
-
-    @property
-    def declared(self) -> str:
-        """Set of model names the fleet declares (``tokenfleet models declare``): accepted at
-        submit even while no live worker serves them."""
-        return f"{self.prefix}:models"
-
-    @property
-    def dead_letter(self) -> str:
-        """Stream of entries no worker could decode or validate."""
-        return f"{self.prefix}:dead"
 
     # -- shared KV pools ----------------------------------------------------------------------
     def pool(self, name: str) -> str:
@@ -150,8 +146,3 @@ class Keys:
     def pool_preemptions(self, name: str) -> str:
         """Hash: donor member -> encoded pending preemption request."""
         return f"{self.prefix}:pool:{name}:preempt"
-
-    @property
-    def pools(self) -> str:
-        """Set of pool names."""
-        return f"{self.prefix}:pools"

@@ -95,6 +95,7 @@ def _edit(args: argparse.Namespace, add: bool) -> int:
     import redis
 
     from tokenfleet.shared.keys import Keys, check_model_name
+    from tokenfleet.shared.record import as_str
     from tokenfleet.shared.settings import Settings
 
     names = [check_model_name(n) for n in args.names]  # InvalidRequest names a bad one
@@ -103,7 +104,7 @@ def _edit(args: argparse.Namespace, add: bool) -> int:
     key = Keys(settings.key_prefix).declared
     try:
         changed = client.sadd(key, *names) if add else client.srem(key, *names)
-        declared = sorted(n.decode() for n in client.smembers(key))
+        declared = sorted(as_str(n) or "" for n in client.smembers(key))
     finally:
         client.close()
     verb = "declared" if add else "undeclared"

@@ -149,7 +149,7 @@ def render(snap: dict[str, Any]) -> str:
             )
     if snap["lapsed_workers"]:
         lines.append(f"  lapsed (no heartbeat): {', '.join(snap['lapsed_workers'])}")
-    for w in snap["waiting_on_models"]:
+    for w in snap.get("waiting_on_models", []):  # (absent in a snapshot of an older version)
         lines.append(
             f"waiting on model {w['model']}: {w['waiting']} requests, no live worker"
             + (" (declared)" if w["declared"] else "")
