@@ -8,7 +8,7 @@ propagates, as from any await).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
@@ -102,7 +102,7 @@ class AsyncDriver:
         return script_wire.raise_first_error(replies)
 
     async def _exchange(
-        self, calls: list[RunScript], meanwhile: Callable[[], None] | None
+        self, calls: Sequence[RunScript], meanwhile: Callable[[], None] | None
     ) -> list[Any]:
         """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
         then read one reply each (error replies returned in place), retried on a lost

@@ -20,6 +20,7 @@ from redis.commands.core import HashCommands, SetCommands, SortedSetCommands
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
     Command,
+    LazyCalls,
     Mailbox,
     Plan,
     RunScript,
@@ -153,8 +154,9 @@ class ClientCore(ABC, Generic[H]):
         now = time.time()
         prepared = prepare_many(self.settings, requests, now=now)
         batches = ops.plan_batches(prepared)
-        calls = []
-        for (model, priority), indices in batches:
+
+        def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
+            (model, priority), indices = batches[b]
             k, a = enqueue_keys_args(
                 self._keys,
                 model,
@@ -163,14 +165,15 @@ class ClientCore(ABC, Generic[H]):
                 now=now,
                 ttl_s=self.settings.record_ttl_s,
             )
-            calls.append(RunScript(ENQUEUE, k, a))
+            return RunScript(ENQUEUE, k, a)
+
         results: list[H | TokenfleetError] = []
 
         def make_handles() -> None:  # while Redis runs the calls: a handle has no I/O
             new_handle = self._new_handle
             results.extend([new_handle(p.request_id, None, p.deadline) for p in prepared])
 
-        replies = yield RunScripts(calls, meanwhile=make_handles)
+        replies = yield RunScripts(LazyCalls(len(batches), call), meanwhile=make_handles)
         for ((model, _), indices), reply in zip(batches, replies, strict=True):
             refusals = ops.enqueue_refusals(
                 registry.check_reply(ENQUEUE, reply),

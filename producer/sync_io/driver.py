@@ -8,7 +8,7 @@ the plan's ``yield``. No event loop, no thread: ``Client.submit`` costs what its
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
@@ -99,7 +99,9 @@ class SyncDriver:
                 replies[i] = reply
         return script_wire.raise_first_error(replies)
 
-    def _exchange(self, calls: list[RunScript], meanwhile: Callable[[], None] | None) -> list[Any]:
+    def _exchange(
+        self, calls: Sequence[RunScript], meanwhile: Callable[[], None] | None
+    ) -> list[Any]:
         """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
         then read one reply each (error replies returned in place), retried on a lost
         connection as redis-py retries a pipeline."""

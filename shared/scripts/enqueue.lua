@@ -19,9 +19,12 @@
 -- ARGV[22..] = quadruples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
 --              (a generated id: no other request can carry it, so nothing to compare)
--- Returns {"ok", code1, value1, code2, value2, ...}, one pair per request, in order:
---   "new", stream id | "exists", status (a record with the same fingerprint, or one of the two
---   without a fingerprint) | "conflict", message (a record with another fingerprint: the id is
+-- Returns {"ok", i1, code1, value1, i2, code2, value2, ...}: one triple per request that was
+-- not enqueued anew, in order (i = its position in the call, from 1); a request not listed is
+-- new (a bulk call that enqueued everything answers {"ok"}: half a microsecond less per
+-- request, in Redis and in the client, than a pair for each). The codes:
+--   "exists", status (a record with the same fingerprint, or one of the two without a
+--   fingerprint) | "conflict", message (a record with another fingerprint: the id is
 --   taken by a different request) | "overloaded", message (drop_newest, try mode, or
 --   drop_oldest with nothing to evict) | "full", message (block policy, submit mode) |
 --   "invalid", message (bad id) | "unserved", message (the model ARGV[5] has no live server,
@@ -76,9 +79,9 @@ local function field(entry, name)
 end
 
 local BAD_ID = 'request id must be 1-128 characters of [A-Za-z0-9._-]'
+local ID_PATTERN = '^[A-Za-z0-9][A-Za-z0-9%._%-]*$'
 local function bad_id(rid)
-  -- %w is [A-Za-z0-9] (Redis keeps the C locale for character classes), and cheaper
-  return #rid > 128 or not string.find(rid, '^%w[%w._-]*$')
+  return #rid > 128 or not string.find(rid, ID_PATTERN)
 end
 
 -- The code and value for a request whose record exists: the same request, or a conflict.
@@ -120,17 +123,15 @@ if unserved then  -- nothing is written: existing ids still answer as they would
   local k = 6
   for j = 22, #ARGV, 4 do
     k = k + 1
+    local code, value = 'unserved', unserved
     if bad_id(ARGV[j]) then
-      refused[#refused + 1] = 'invalid'
-      refused[#refused + 1] = BAD_ID
+      code, value = 'invalid', BAD_ID
     elseif redis.call('EXISTS', KEYS[k]) == 1 then
-      local code, value = existing(KEYS[k], ARGV[j], ARGV[j + 3])
-      refused[#refused + 1] = code
-      refused[#refused + 1] = value
-    else
-      refused[#refused + 1] = 'unserved'
-      refused[#refused + 1] = unserved
+      code, value = existing(KEYS[k], ARGV[j], ARGV[j + 3])
     end
+    refused[#refused + 1] = k - 6
+    refused[#refused + 1] = code
+    refused[#refused + 1] = value
   end
   return refused
 end
@@ -182,18 +183,20 @@ local any_exist = #KEYS > 1006 or (#KEYS > 6 and redis.call('EXISTS', unpack(KEY
 local created = {}
 
 local out = {'ok'}
+local function answer(i, code, value)  -- a request that was not enqueued anew
+  out[#out + 1] = i
+  out[#out + 1] = code
+  out[#out + 1] = value
+end
 local k = 6
 for j = 22, #ARGV, 4 do
   local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   k = k + 1
   local rec = KEYS[k]
-  if bad_id(rid) then
-    out[#out + 1] = 'invalid'
-    out[#out + 1] = BAD_ID
+  if #rid > 128 or not string.find(rid, ID_PATTERN) then  -- bad_id(rid), without the call
+    answer(k - 6, 'invalid', BAD_ID)
   elseif (any_exist or created[rid]) and redis.call('EXISTS', rec) == 1 then
-    local code, value = existing(rec, rid, fp)
-    out[#out + 1] = code
-    out[#out + 1] = value
+    answer(k - 6, existing(rec, rid, fp))
   else
     if waiting >= max_waiting and not reclaimed then
       reclaimed = true
@@ -235,15 +238,11 @@ for j = 22, #ARGV, 4 do
       redis.call('PEXPIREAT', rec, expire_at)
       created[rid] = true
       waiting = waiting + 1
-      out[#out + 1] = 'new'
-      out[#out + 1] = sid
     elseif policy == 'block' and ARGV[21] == 'submit' then
-      out[#out + 1] = 'full'
-      out[#out + 1] = 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)'
+      answer(k - 6, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
     else
-      out[#out + 1] = 'overloaded'
-      out[#out + 1] = 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting, policy '
-        .. policy .. ')'
+      answer(k - 6, 'overloaded', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting
+        .. ' waiting, policy ' .. policy .. ')')
     end
   end
 end
