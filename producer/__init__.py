@@ -7,11 +7,13 @@ tokens and results; see the README, "Submitting work".
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.client import Client
+from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.result import Result
 from tokenfleet.producer.handle import Handle
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
     InvalidRequest,
+    ModelNotServed,
     Overloaded,
     RequestFailed,
     UnknownRequest,
@@ -27,6 +29,8 @@ __all__ = [
     "Handle",
     "IdempotencyConflict",
     "InvalidRequest",
+    "ModelInfo",
+    "ModelNotServed",
     "OverflowPolicy",
     "Overloaded",
     "QueueConfig",

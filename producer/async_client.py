@@ -17,6 +17,7 @@ from tokenfleet.producer.async_io.driver import AsyncDriver
 from tokenfleet.producer.async_io.subscriber import AsyncSubscriber
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
+from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.subscriptions import pubsub_connection_factory
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.priority import Priority
@@ -107,7 +108,11 @@ class AsyncClient(ClientCore[AsyncHandle]):
         """See ``Client.cancel``."""
         return await self._run(self._cancel(request_id))
 
-    # -- queues ---------------------------------------------------------------------------------
+    # -- models and queues ----------------------------------------------------------------------
+    async def models(self) -> list[ModelInfo]:
+        """See ``Client.models``."""
+        return await self._run(self._models())
+
     async def queue_stats(self) -> list[QueueStats]:
         """See ``Client.queue_stats``."""
         return await self._run(self._queue_stats())

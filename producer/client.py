@@ -14,6 +14,7 @@ import redis
 
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
+from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.subscriptions import pubsub_connection_factory
 from tokenfleet.producer.handle import Handle
 from tokenfleet.producer.sync_io.driver import SyncDriver
@@ -86,7 +87,8 @@ class Client(ClientCore[Handle]):
         On a full queue: ``drop_newest`` raises ``Overloaded``; ``drop_oldest`` evicts the
         oldest waiting request; ``block`` waits for room up to ``timeout`` seconds (None: no
         limit), then raises ``Overloaded``. Invalid input raises ``InvalidRequest`` before
-        anything touches Redis.
+        anything touches Redis; a model that no live worker serves and the fleet does not
+        declare raises ``ModelNotServed`` (nothing is written).
         """
         return self._run(self._submit(prompt, params, timeout=timeout, try_only=False))
 
@@ -102,9 +104,10 @@ class Client(ClientCore[Handle]):
 
         Each element is a prompt string or a mapping of ``submit`` keyword arguments. All are
         validated first (``InvalidRequest`` names the index; nothing is enqueued then). Returns,
-        in order, a ``Handle`` per accepted (or already existing) request and an ``Overloaded``
-        instance per refused one: a full queue refuses at once here, even with policy ``block``.
-        Handles subscribe lazily, when first streamed or waited on.
+        in order, a ``Handle`` per accepted (or already existing) request and the exception of
+        each refused one (``Overloaded``: a full queue refuses at once here, even with policy
+        ``block``; ``IdempotencyConflict``; ``ModelNotServed``). Handles subscribe lazily, when
+        first streamed or waited on.
         """
         return self._run(self._submit_many(requests))
 
@@ -125,7 +128,13 @@ class Client(ClientCore[Handle]):
         ended. Raises ``UnknownRequest`` if there is no record."""
         return self._run(self._cancel(request_id))
 
-    # -- queues ---------------------------------------------------------------------------------
+    # -- models and queues ----------------------------------------------------------------------
+    def models(self) -> list[ModelInfo]:
+        """Every model the fleet serves now or declares (or served within the last hour),
+        sorted by name: whether a live worker serves it, whether it is declared, and when its
+        servers' heartbeats lapse. One snapshot (README, "Models in a fleet")."""
+        return self._run(self._models())
+
     def queue_stats(self) -> list[QueueStats]:
         """Every known queue: length, running, waiting, bound and policy (one snapshot)."""
         return self._run(self._queue_stats())

@@ -42,6 +42,22 @@ class IdempotencyConflict(InvalidRequest):
         self.request_id = request_id
 
 
+class ModelNotServed(InvalidRequest):
+    """No live worker serves the request's model and the fleet does not declare it, in a fleet
+    that declares models or has live workers (README, "Models in a fleet"). Refused at submit,
+    with nothing written to Redis; the message names what is served and declared.
+
+    ``model`` is the refused request's model when the caller knew it. An HTTP gateway answers
+    404 ``model_not_found``.
+    """
+
+    code = "model_not_found"
+
+    def __init__(self, message: str, *, model: str | None = None) -> None:
+        super().__init__(message)
+        self.model = model
+
+
 class ProtocolError(TokenfleetError, ValueError):
     """A payload read from Redis failed to decode or validate (size, JSON, schema, version).
 

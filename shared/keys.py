@@ -16,6 +16,8 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:worker:NAME      hash: a worker's heartbeat (expires with its TTL)
     P:workers          sorted set: worker name -> last heartbeat (seconds)
     P:dead             stream: dead-letter entries (undecodable or invalid requests)
+    P:served           sorted set: model -> expiry (seconds) of its longest-lived live server
+    P:models           set of the model names the fleet's configuration declares
     P:pool:NAME        hash: a shared KV pool's settings and counters
     P:pool:NAME:members  hash: member -> JSON state (weight, held, active, lease expiry, ...)
     P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
@@ -168,6 +170,19 @@ class _WorkerKeys:
     def dead_letter(self) -> str:
         """Stream of entries no worker could decode or validate."""
         return f"{self.prefix}:dead"
+
+    @property
+    def served(self) -> str:
+        """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
+        serves that model (``ZADD GT``: the latest expiry of its servers); served while in the
+        future."""
+        return f"{self.prefix}:served"
+
+    @property
+    def declared(self) -> str:
+        """Set: model names the fleet declares (``tokenfleet models declare``), accepted at
+        submit even while no live worker serves them."""
+        return f"{self.prefix}:models"
 
 
 class _PoolKeys:

@@ -1,17 +1,22 @@
 """The durable record of a request: a Redis hash at ``Keys.record(id)`` plus a token list.
 
-Fields of the hash (all values are strings; times are epoch seconds):
+Fields of the hash (all values are strings; times are epoch seconds). The enqueue script writes
+only status, model, priority, stream_id, enqueued_at and those of the optional ones that apply;
+an absent field reads as its default (every reader, Python or Lua, treats it so):
 
     status          a ``RequestStatus`` value
     model, priority where it was queued
     stream_id       its entry id in the queue stream (used to evict, cancel or ack it)
     enqueued_at, started_at, first_token_at, finished_at
-    deadline        epoch seconds by which it must have started, or "" (set by the enqueue script)
-    num_tokens      token events published so far (== length of the token list)
-    worker          name of the worker running it (empty when none)
-    attempts        how many workers have taken it (the poison guard counts these)
-    fingerprint     hash of the request body without its times (set by the enqueue script;
-                    a resubmit under the same id must match it, see ``request_fingerprint``)
+    deadline        epoch seconds by which it must have started; absent or "" for none
+    num_tokens      token events published so far (== length of the token list); absent: 0
+    worker          name of the worker running it; absent or "" when none
+    attempts        how many workers have taken it (the poison guard counts these); absent: 0
+    fingerprint     hash of the request body without its times (set by the enqueue script
+                    when the client chose the id, else absent; a resubmit under the same id must
+                    match it, see ``request_fingerprint``)
+    waiting_on      the model, when the request was accepted while no live worker served it
+                    (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)
     finish_reason, code, message        how it ended
     usage, timings  JSON objects, set with the terminal status
@@ -89,6 +94,7 @@ class RequestRecord:
     message: str | None = None
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    waiting_on: str = ""  # the model it waits on: accepted while no live worker served it
 
     @classmethod
     def from_hash(
@@ -121,6 +127,7 @@ class RequestRecord:
             message=h.get("message") or None,
             usage=_json(h.get("usage")),
             timings=_json(h.get("timings")),
+            waiting_on=h.get("waiting_on") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -144,4 +151,5 @@ class RequestRecord:
             "message": self.message,
             "usage": self.usage,
             "timings": self.timings,
+            "waiting_on": self.waiting_on,
         }

@@ -8,7 +8,7 @@ propagates, as from any await).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import redis
@@ -91,25 +91,31 @@ class AsyncDriver:
 
     async def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
-        replies = await self._exchange(effect.calls)
+        replies = await self._exchange(effect.calls, effect.meanwhile)
         retry = script_wire.missing_scripts(replies)
         if retry:  # the server lost its scripts: load them, run those calls again
             for source in {effect.calls[i].script.source for i in retry}:
                 await self._redis.script_load(source)
-            again = await self._exchange([effect.calls[i] for i in retry])
+            again = await self._exchange([effect.calls[i] for i in retry], None)
             for i, reply in zip(retry, again, strict=True):
                 replies[i] = reply
         return script_wire.raise_first_error(replies)
 
-    async def _exchange(self, calls: list[RunScript]) -> list[Any]:
-        """Send ``calls`` on one pooled connection, then read one reply each (error replies
-        returned in place), retried on a lost connection as redis-py retries a pipeline."""
+    async def _exchange(
+        self, calls: Sequence[RunScript], meanwhile: Callable[[], None] | None
+    ) -> list[Any]:
+        """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
+        then read one reply each (error replies returned in place), retried on a lost
+        connection as redis-py retries a pipeline."""
         pool = self._redis.connection_pool
         conn = await pool.get_connection()
+        pending = [meanwhile] if meanwhile is not None else []
 
         async def exchange() -> list[Any]:
             for packed in script_wire.packed_calls(conn, calls):
                 await conn.send_packed_command(packed, check_health=False)
+            while pending:
+                pending.pop()()  # Redis works on the calls meanwhile
             replies: list[Any] = []
             for _ in calls:
                 try:

@@ -114,6 +114,11 @@ def describe(record: RequestRecord) -> list[str]:
     ]
     if record.worker:
         rows.append(("worker", record.worker))
+    if record.waiting_on and not record.status.is_terminal:
+        # set at submit while no live worker served its model; a worker's start clears it
+        rows.append(
+            ("waiting", f"on model {record.waiting_on} (no live worker served it at submit)")
+        )
     if record.code or record.message:
         rows.append(("error", f"[{record.code or record.status.value}] {record.message or ''}"))
     return [f"{name:<8} {value}".rstrip() for name, value in rows]

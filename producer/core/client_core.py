@@ -15,11 +15,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 import redis
-from redis.commands.core import HashCommands, SetCommands
+from redis.commands.core import HashCommands, SetCommands, SortedSetCommands
 
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
     Command,
+    LazyCalls,
     Mailbox,
     Plan,
     RunScript,
@@ -28,6 +29,7 @@ from tokenfleet.producer.core.effects import (
     Subscribe,
     Transaction,
 )
+from tokenfleet.producer.core.models import ModelInfo, model_infos
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
@@ -57,7 +59,8 @@ class ClientCore(ABC, Generic[H]):
     """State and plans shared by both faces (arguments: see ``Client``).
 
     Invariants: nothing here performs I/O; a refused submit (invalid input, closed client,
-    full queue) leaves nothing in Redis; a face's public method runs exactly one plan.
+    full queue, a model the fleet neither serves nor declares) leaves nothing in Redis; a face's
+    public method runs exactly one plan.
     """
 
     def __init__(
@@ -125,7 +128,7 @@ class ClientCore(ABC, Generic[H]):
                 deadline = prepared.deadline if code == "new" else None
                 return self._new_handle(prepared.request_id, sub, deadline)
             if code != "full" or (until is not None and time.monotonic() + delay > until):
-                raise ops.refusal(code, value, prepared.request_id)
+                raise ops.refusal(code, value, prepared.request_id, prepared.model)
             yield Sleep(delay)
             delay = min(delay * growth, ceiling)
 
@@ -151,8 +154,9 @@ class ClientCore(ABC, Generic[H]):
         now = time.time()
         prepared = prepare_many(self.settings, requests, now=now)
         batches = ops.plan_batches(prepared)
-        calls = []
-        for (model, priority), indices in batches:
+
+        def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
+            (model, priority), indices = batches[b]
             k, a = enqueue_keys_args(
                 self._keys,
                 model,
@@ -161,21 +165,25 @@ class ClientCore(ABC, Generic[H]):
                 now=now,
                 ttl_s=self.settings.record_ttl_s,
             )
-            calls.append(RunScript(ENQUEUE, k, a))
-        replies = yield RunScripts(calls)
-        new_handle = self._new_handle
-        results: dict[int, H | TokenfleetError] = {}
-        for (_, indices), reply in zip(batches, replies, strict=True):
+            return RunScript(ENQUEUE, k, a)
+
+        results: list[H | TokenfleetError] = []
+
+        def make_handles() -> None:  # while Redis runs the calls: a handle has no I/O
+            new_handle = self._new_handle
+            results.extend([new_handle(p.request_id, None, p.deadline) for p in prepared])
+
+        replies = yield RunScripts(LazyCalls(len(batches), call), meanwhile=make_handles)
+        for ((model, _), indices), reply in zip(batches, replies, strict=True):
             refusals = ops.enqueue_refusals(
-                registry.check_reply(ENQUEUE, reply), [prepared[i].request_id for i in indices]
+                registry.check_reply(ENQUEUE, reply),
+                [prepared[i].request_id for i in indices],
+                model,
             )
             for i, refused in zip(indices, refusals, strict=True):
-                if refused is None:
-                    p = prepared[i]
-                    results[i] = new_handle(p.request_id, None, p.deadline)
-                else:
-                    results[i] = refused
-        return [results[i] for i in range(len(prepared))]
+                if refused is not None:
+                    results[i] = refused  # its handle, made meanwhile, is dropped
+        return results
 
     # -- following requests ---------------------------------------------------------------------
     def _status(self, request_id: str) -> Plan[RequestRecord]:
@@ -214,7 +222,17 @@ class ClientCore(ABC, Generic[H]):
             ttl_s=self.settings.record_ttl_s,
         )
 
-    # -- queues ---------------------------------------------------------------------------------
+    # -- models and queues ----------------------------------------------------------------------
+    def _models(self) -> Plan[list[ModelInfo]]:
+        served, declared = yield Transaction(
+            (
+                # (name, start, end, desc, withscores): Command takes positional arguments
+                Command(SortedSetCommands.zrange, (self._keys.served, 0, -1, False, True)),
+                Command(SetCommands.smembers, (self._keys.declared,)),
+            )
+        )
+        return model_infos(served, declared, now=time.time())
+
     def _queue_stats(self) -> Plan[list[QueueStats]]:
         members = yield Command(SetCommands.smembers, (self._keys.queues,))
         queues = ops.sorted_queues(members)

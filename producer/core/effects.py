@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar, overload
 
 from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
 
@@ -52,12 +52,50 @@ class RunScript:
     args: Sequence[KeyOrArg]
 
 
+class LazyCalls(Sequence[RunScript]):
+    """``n`` script calls, each made by ``build(i)`` when first asked for, in order: a driver
+    that packs and sends each call as it takes it has Redis run the first while the next ones
+    are being made. A call once made is kept (a retry makes nothing twice). Plain data in the
+    effects' sense: making a call does no I/O."""
+
+    __slots__ = ("_build", "_made", "_n")
+
+    def __init__(self, n: int, build: Callable[[int], RunScript]) -> None:
+        self._n = n
+        self._build = build
+        self._made: list[RunScript] = []
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> RunScript: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[RunScript]: ...
+    def __getitem__(self, i: int | slice) -> RunScript | list[RunScript]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        if not -self._n <= i < self._n:
+            raise IndexError(i)
+        i %= self._n
+        made = self._made
+        while len(made) <= i:
+            made.append(self._build(len(made)))
+        return made[i]
+
+
 @dataclass(slots=True)
 class RunScripts:
     """Run several scripts in one pipeline without MULTI (one round trip). Reply: the raw
-    replies in order, unchecked (each may carry its own refusal code)."""
+    replies in order, unchecked (each may carry its own refusal code).
 
-    calls: list[RunScript]
+    ``meanwhile``, if given, is called exactly once, after every call was sent and before any
+    reply is read, so the plan's own work (``submit_many`` makes its handles there) overlaps
+    Redis's; it does no I/O, and the plan keeps what it makes (a closure). If it raises, the
+    effect raises that (the replies are never read, the connection is dropped)."""
+
+    calls: Sequence[RunScript]  # a list, or ``LazyCalls``
+    meanwhile: Callable[[], None] | None = None
 
 
 @dataclass(slots=True)

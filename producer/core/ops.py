@@ -13,6 +13,7 @@ from typing import Any
 from tokenfleet.producer.core.request import Prepared
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
+    ModelNotServed,
     Overloaded,
     ScriptError,
     TokenfleetError,
@@ -30,46 +31,63 @@ BLOCK_POLL = (0.005, 1.5, 0.1)
 ENQUEUE_CHUNK = 256
 
 
-def enqueue_pairs(reply: Sequence[Any]) -> list[tuple[str, str]]:
-    """The (code, value) pairs of a checked ENQUEUE reply (``reply[0]`` is "ok")."""
-    items = [as_str(v) or "" for v in reply[1:]]
-    return list(zip(items[0::2], items[1::2], strict=True))
+def enqueue_answers(reply: Sequence[Any], num_requests: int) -> list[tuple[int, str, str]]:
+    """The (index, code, value) triples of a checked ENQUEUE reply (``reply[0]`` is "ok"): one
+    per request of the call that was not enqueued anew, ``index`` counted from 0; a request not
+    listed is new. ``ScriptError`` if the reply is not of that shape (a script of another
+    version)."""
+    triples: list[tuple[int, str, str]] = []
+    if (len(reply) - 1) % 3 == 0:
+        for n in range(1, len(reply), 3):
+            index = reply[n]
+            if type(index) is not int or not (triples[-1][0] if triples else -1) < index - 1:
+                break
+            if index > num_requests:
+                break
+            triples.append((index - 1, as_str(reply[n + 1]) or "", as_str(reply[n + 2]) or ""))
+        else:
+            return triples
+    raise ScriptError(f"script enqueue answered {list(reply)!r} for {num_requests} requests")
 
 
-_ENQUEUED = frozenset({"new", "exists", b"new", b"exists"})
+_ENQUEUED = frozenset({"new", "exists"})
 
 
 def enqueue_refusals(
-    reply: Sequence[Any], request_ids: Sequence[str]
+    reply: Sequence[Any], request_ids: Sequence[str], model: str | None = None
 ) -> list[TokenfleetError | None]:
-    """Per request of a checked ENQUEUE reply (``request_ids`` in the call's order): None when it
-    is enqueued (``new``, or ``exists`` from an earlier call), else the exception of its
-    refusal. The same outcomes as :func:`enqueue_pairs` with :func:`refusal`, without decoding
-    the values of enqueued ones."""
-    codes, values = reply[1::2], reply[2::2]
-    if len(codes) != len(values):
-        return [refusal(c, v) for c, v in enqueue_pairs(reply)]  # raises as enqueue_pairs does
-    return [
-        None if code in _ENQUEUED else refusal(as_str(code) or "", as_str(value) or "", rid)
-        for code, value, rid in zip(codes, values, request_ids, strict=True)
-    ]
+    """Per request of a checked ENQUEUE reply (``request_ids`` in the call's order, all for
+    ``model``): None when it is enqueued (new, or ``exists`` from an earlier call), else the
+    exception of its refusal."""
+    out: list[TokenfleetError | None] = [None] * len(request_ids)
+    if len(reply) == 1:  # everything new: the bulk path's usual answer
+        return out
+    for i, code, value in enqueue_answers(reply, len(request_ids)):
+        if code not in _ENQUEUED:
+            out[i] = refusal(code, value, request_ids[i], model)
+    return out
 
 
 def enqueue_pair(reply: Sequence[Any]) -> tuple[str, str]:
-    """The (code, value) of a checked ENQUEUE reply for one request (``submit``): the same as
-    ``enqueue_pairs(reply)[0]``, without building the list on the submit path."""
-    if len(reply) != 3:
-        return enqueue_pairs(reply)[0]  # not one pair: fails (or not) as enqueue_pairs does
-    return as_str(reply[1]) or "", as_str(reply[2]) or ""
+    """The (code, value) of a checked ENQUEUE reply for one request (``submit``): ("new", "")
+    when it was enqueued anew."""
+    if len(reply) == 1:
+        return "new", ""
+    [(_, code, value)] = enqueue_answers(reply, 1)  # one triple: its indices only increase
+    return code, value
 
 
-def refusal(code: str, message: str, request_id: str | None = None) -> TokenfleetError:
-    """The exception for a per-request refusal code of the enqueue script (``request_id``: the
-    refused request's, carried by ``IdempotencyConflict``)."""
+def refusal(
+    code: str, message: str, request_id: str | None = None, model: str | None = None
+) -> TokenfleetError:
+    """The exception for a per-request refusal code of the enqueue script (``request_id`` and
+    ``model``: the refused request's, carried by ``IdempotencyConflict`` / ``ModelNotServed``)."""
     if code == "full":
         return Overloaded(message)
     if code == "conflict":
         return IdempotencyConflict(message, request_id=request_id)
+    if code == "unserved":
+        return ModelNotServed(message, model=model)
     error = ERROR_CODES.get(code)
     if error is None:
         return ScriptError(f"script enqueue returned unknown code {code!r}: {message}")
@@ -143,9 +161,13 @@ def is_overdue(record: RequestRecord) -> bool:
 
 def plan_batches(prepared: Sequence[Prepared]) -> list[tuple[tuple[str, Priority], list[int]]]:
     """Group request indices by queue, in chunks of at most :data:`ENQUEUE_CHUNK`."""
+    queues = [(p.model, p.priority) for p in prepared]
     groups: dict[tuple[str, Priority], list[int]] = {}
-    for i, p in enumerate(prepared):
-        groups.setdefault((p.model, p.priority), []).append(i)
+    if queues and queues.count(queues[0]) == len(queues):  # the usual bulk call: one queue
+        groups[queues[0]] = list(range(len(queues)))
+    else:
+        for i, queue in enumerate(queues):
+            groups.setdefault(queue, []).append(i)
     plan = []
     for queue, indices in groups.items():
         for j in range(0, len(indices), ENQUEUE_CHUNK):

@@ -55,9 +55,10 @@ class Prepared:
     priority: Priority
     deadline: float | None  # epoch seconds, or None
     payload: bytes  # the encoded GenerationRequest (what workers read)
+    chosen_id: bool  # the client chose the id (so the enqueue script checks its fingerprint)
 
     @classmethod
-    def of(cls, request: GenerationRequest, max_bytes: int) -> Prepared:
+    def of(cls, request: GenerationRequest, max_bytes: int, *, chosen_id: bool) -> Prepared:
         """Encode ``request`` (``InvalidRequest`` if over ``max_bytes``)."""
         return cls(
             request.request_id,
@@ -65,6 +66,7 @@ class Prepared:
             request.priority,
             request.deadline,
             request.encode(max_bytes),
+            chosen_id,
         )
 
 
@@ -108,7 +110,11 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
     if not params.keys() <= SUBMIT_FIELDS:
         unknown = ", ".join(sorted(set(params) - SUBMIT_FIELDS))
         raise InvalidRequest(f"unknown request parameter(s): {unknown}")
-    return Prepared.of(build(settings, now=now, **params), settings.max_payload_bytes)
+    return Prepared.of(
+        build(settings, now=now, **params),
+        settings.max_payload_bytes,
+        chosen_id=params.get("request_id") is not None,
+    )
 
 
 def build(
@@ -187,6 +193,7 @@ def _spec_params(spec: str | Mapping[str, Any]) -> dict[str, Any]:
 
 _OWN_FIELDS = frozenset({"prompt", "request_id"})  # what each request of a template has of its own
 _SLOW_FIELDS = frozenset({"messages", "metadata"})  # never on a template
+_TEMPLATE_FIELDS = SUBMIT_FIELDS - _SLOW_FIELDS  # what a request on the fast path may have
 
 
 def _shared_key(spec: Any) -> tuple[Any, ...] | None:
@@ -194,14 +201,15 @@ def _shared_key(spec: Any) -> tuple[Any, ...] | None:
     not take the fast path (not a dict, unknown fields, token-id or chat prompts, metadata,
     unhashable values). Each value comes with its type, so ``1``, ``1.0`` and ``True`` never
     share a template; the same fields in another order only make a second template."""
-    if type(spec) is not dict or type(spec.get("prompt")) is not str:
-        return None
-    names = spec.keys()
-    if not names <= SUBMIT_FIELDS or not names.isdisjoint(_SLOW_FIELDS):
+    if (
+        type(spec) is not dict
+        or type(spec.get("prompt")) is not str
+        or not spec.keys() <= _TEMPLATE_FIELDS
+    ):
         return None
     key = tuple([(k, type(v), v) for k, v in spec.items() if k not in _OWN_FIELDS])
     try:
-        hash(key)
+        hash(key)  # (hashing a tuple of strings, types and numbers: about 50 ns)
     except TypeError:
         return None
     return key
@@ -230,9 +238,9 @@ class _Template:
             raise InvalidRequest("request parameters must not contain tokenfleet's markers")
         self.parts = (head, mid, tail)
 
-    def instance(self, max_bytes: int, prompt: str, request_id: str) -> Prepared:
+    def instance(self, max_bytes: int, prompt: str, request_id: str, chosen_id: bool) -> Prepared:
         """The same checks and encoding as ``build`` + ``encode``, for one text prompt (a str)
-        and a request id that is new or already checked."""
+        and a request id that is new (``chosen_id`` False) or already checked."""
         if not prompt:
             raise InvalidRequest("prompt is empty")
         try:
@@ -247,7 +255,7 @@ class _Template:
                 f"request is {len(payload)} bytes encoded; the limit is {max_bytes} bytes"
             )
         r = self.request
-        return Prepared(request_id, r.model, r.priority, r.deadline, payload)
+        return Prepared(request_id, r.model, r.priority, r.deadline, payload, chosen_id)
 
 
 def prepare_many(
@@ -276,8 +284,11 @@ def prepare_many(
             if template is None:
                 template = templates[key] = _Template(settings, params, now)
             rid = params.get("request_id")
-            rid = fresh_ids[32 * i : 32 * i + 32] if rid is None else check_request_id(rid)
-            out.append(template.instance(max_bytes, params["prompt"], rid))
+            if rid is None:
+                rid, chosen = fresh_ids[32 * i : 32 * i + 32], False
+            else:
+                rid, chosen = check_request_id(rid), True
+            out.append(template.instance(max_bytes, params["prompt"], rid, chosen))
         except InvalidRequest as exc:
             raise InvalidRequest(f"requests[{i}]: {exc}") from None
     return out

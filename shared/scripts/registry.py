@@ -18,6 +18,7 @@ from typing import Any
 from tokenfleet.shared.errors import (
     IdempotencyConflict,
     InvalidRequest,
+    ModelNotServed,
     Overloaded,
     PoolError,
     ScriptError,
@@ -29,6 +30,7 @@ ERROR_CODES: dict[str, type[TokenfleetError]] = {
     "overloaded": Overloaded,
     "invalid": InvalidRequest,
     "conflict": IdempotencyConflict,
+    "unserved": ModelNotServed,
     "unknown": UnknownRequest,
     "pool": PoolError,
 }

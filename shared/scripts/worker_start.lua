@@ -10,7 +10,9 @@
 -- ARGV[10] = the queue member (model|label) whose counter in KEYS[5] counts this start
 -- Returns one of
 --   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
---                                 events are the token list (what earlier workers published)
+--                                 events are the token list (what earlier workers published);
+--                                 the record's "waiting_on" (its model had no live worker
+--                                 when it was enqueued) is removed
 --   {"missing"}                   no record (never enqueued properly, or its TTL lapsed)
 --   {"foreign", stream_id}        the record belongs to another entry; this one is acked+deleted
 --   {"terminal", status}          already ended; the entry is acked+deleted
@@ -22,7 +24,7 @@
 --                                 not the record's num_tokens, a record for another model or
 --                                 priority): caller finishes error / corrupt_state with the cause
 local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'started_at', 'attempts',
-                     'num_tokens', 'model', 'priority')
+                     'num_tokens', 'model', 'priority', 'waiting_on')
 local status = h[1]
 if not status then
   return {'missing'}
@@ -76,6 +78,9 @@ if KEYS[5] then  -- a waiting request left its queue: the gateway's Retry-After 
 end
 if not started then
   redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
+end
+if h[8] then
+  redis.call('HDEL', KEYS[1], 'waiting_on')
 end
 local out = {'ok', tostring(attempts), tostring(num_tokens)}
 if num_tokens > 0 then

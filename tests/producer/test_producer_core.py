@@ -11,7 +11,7 @@ import pytest
 import redis
 from redis.commands.core import HashCommands
 
-from tokenfleet.producer import Client, Handle, Overloaded, UnknownRequest
+from tokenfleet.producer import Client, Handle, ModelNotServed, Overloaded, UnknownRequest
 from tokenfleet.producer.async_io.driver import AsyncDriver
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import Command, Effect, Plan, RunScript, Sleep, Subscribe
@@ -21,6 +21,7 @@ from tokenfleet.producer.core.subscriptions import (
     Backoff,
 )
 from tokenfleet.producer.sync_io.driver import SyncDriver
+from tokenfleet.shared.errors import ScriptError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.scripts.enqueue import ENQUEUE
 from tokenfleet.shared.settings import Settings
@@ -49,7 +50,7 @@ def test_submit_subscribes_after_the_enqueue_and_survives_a_closed_subscriber(
     plan = offline._submit("hi", {"request_id": "r1"}, timeout=None, try_only=False)
     enqueue = next(plan)
     assert isinstance(enqueue, RunScript) and enqueue.script is ENQUEUE
-    subscribe = plan.send(["ok", b"new", b""])
+    subscribe = plan.send(["ok"])  # enqueued anew
     assert subscribe == Subscribe(Keys("core").channel("r1"), offline.subscribe_timeout_s, False)
     with pytest.raises(StopIteration) as stop:  # closed meanwhile: the request exists anyway
         plan.throw(redis.ConnectionError("the client is closed"))
@@ -63,7 +64,7 @@ def test_a_block_queue_is_polled_with_growing_delays(offline: Client) -> None:
     first, growth, ceiling = ops.BLOCK_POLL
     delays = []
     for _ in range(12):
-        sleep = plan.send(["ok", b"full", b"queue is full"])
+        sleep = plan.send(["ok", 1, b"full", b"queue is full"])
         assert isinstance(sleep, Sleep)
         delays.append(sleep.seconds)
         assert isinstance(plan.send(None), RunScript)  # then it asks again
@@ -75,7 +76,7 @@ def test_a_refusal_ends_the_plan_with_its_error(offline: Client) -> None:
     plan = offline._submit("hi", {}, timeout=0.0, try_only=True)
     next(plan)
     with pytest.raises(Overloaded, match="queue is full"):
-        plan.send(["ok", b"full", b"queue is full"])
+        plan.send(["ok", 1, b"full", b"queue is full"])
 
 
 def _boom(_client: object) -> None:
@@ -139,3 +140,20 @@ def test_reconnect_backoff_jitters_between_half_and_all_of_its_bound() -> None:
     draws = [high.next() for _ in range(10)]
     bounds = [min(RECONNECT_BACKOFF_FIRST_S * 2**i, RECONNECT_BACKOFF_CEILING_S) for i in range(10)]
     assert all(b / 2 <= d <= b for d, b in zip(draws, bounds, strict=True))
+
+
+def test_enqueue_answers_name_only_what_was_not_new() -> None:
+    ids = ["a", "b", "c"]
+    assert ops.enqueue_refusals(["ok"], ids) == [None, None, None]
+    out = ops.enqueue_refusals(["ok", 1, b"exists", b"done", 3, b"unserved", b"no"], ids, "m")
+    assert out[:2] == [None, None] and isinstance(out[2], ModelNotServed)
+    assert out[2].model == "m" and str(out[2]) == "no"
+    assert ops.enqueue_pair(["ok"]) == ("new", "")
+    assert ops.enqueue_pair(["ok", 1, b"full", b"x"]) == ("full", "x")
+    for bad in (
+        ["ok", 1, b"new"],
+        ["ok", 4, b"exists", b"done"],
+        ["ok", 2, b"a", b"", 1, b"b", b""],
+    ):
+        with pytest.raises(ScriptError):
+            ops.enqueue_refusals(bad, ids)

@@ -9,7 +9,7 @@ import pytest
 import redis
 from producer_helpers import FakeWorker
 
-from tokenfleet.producer import AsyncClient, Client, IdempotencyConflict, InvalidRequest
+from tokenfleet.producer import AsyncClient, Client, Handle, IdempotencyConflict, InvalidRequest
 from tokenfleet.producer.core.request import prepare, prepare_many
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -88,6 +88,43 @@ def test_submit_many_reports_conflicts_per_request(
     assert isinstance(out[1], IdempotencyConflict) and out[1].request_id == "k1"
     assert isinstance(out[3], IdempotencyConflict) and out[3].request_id == "k2"
     assert r.xlen(keys.stream(*STREAM)) == 2
+
+
+def test_an_id_repeated_within_one_call_is_enqueued_once(
+    client: Client, r: redis.Redis, keys: Keys
+) -> None:
+    """No record exists before the call (the script's one EXISTS for the whole call says so):
+    the second and third uses of the id meet the record the first one created."""
+    out = client.submit_many(
+        [
+            {"prompt": "a", "request_id": "d1"},
+            {"prompt": "a", "request_id": "d1"},
+            {"prompt": "b", "request_id": "d1"},
+            "plain",
+        ]
+    )
+    assert [type(x).__name__ for x in out] == ["Handle", "Handle", "IdempotencyConflict", "Handle"]
+    assert r.xlen(keys.stream(*STREAM)) == 2
+
+
+def test_only_client_chosen_ids_keep_a_fingerprint(
+    client: Client, r: redis.Redis, keys: Keys, settings: Settings
+) -> None:
+    """A generated id (128 random bits) cannot be met by another request: no hash is computed,
+    sent or kept for it. Its holder may still resubmit under it (then as a chosen id)."""
+    client.submit("x", request_id="mine", max_tokens=4)
+    generated = client.submit("x", max_tokens=4).request_id
+    many = client.submit_many(["y", {"prompt": "y", "request_id": "mine-2"}])
+    assert (
+        r.hget(keys.record("mine"), "fingerprint")
+        == _fp(settings, prompt="x", max_tokens=4, request_id="mine").encode()
+    )
+    assert r.hget(keys.record(generated), "fingerprint") is None
+    handles = [h for h in many if isinstance(h, Handle)]
+    assert r.hget(keys.record(handles[0].request_id), "fingerprint") is None
+    assert r.hget(keys.record("mine-2"), "fingerprint") is not None
+    assert client.submit("x", request_id=generated, max_tokens=4).request_id == generated
+    assert r.xlen(keys.stream(*STREAM)) == 4
 
 
 def test_finished_request_conflicts_too(client: Client, worker: FakeWorker) -> None:

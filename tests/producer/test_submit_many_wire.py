@@ -5,6 +5,7 @@ validates exactly as ``submit`` does. Wire tests run both faces against the real
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -114,6 +115,16 @@ def test_template_fast_path_payloads_equal_prepare(settings: Settings) -> None:
     got = prepare_many(settings, specs, now=100.0)
     for spec, p in zip(specs, got, strict=True):
         params = {"prompt": spec} if isinstance(spec, str) else dict(spec)
+        chosen = "request_id" in params
         params.setdefault("request_id", p.request_id)
-        assert p == prepare(settings, now=100.0, **params)
+        one = prepare(settings, now=100.0, **params)
+        assert p == dataclasses.replace(one, chosen_id=chosen)  # a generated id: not chosen
+        assert one.chosen_id
     assert len({p.request_id for p in got}) == len(got)
+    assert [p.chosen_id for p in prepare_many(settings, specs, now=100.0)] == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]

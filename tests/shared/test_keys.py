@@ -23,6 +23,8 @@ def test_every_name_starts_with_the_prefix_and_names_are_distinct() -> None:
         k.worker("w1"),
         k.workers,
         k.dead_letter,
+        k.served,
+        k.declared,
         k.pool("p"),
         k.pool_members("p"),
         k.pool_preemptions("p"),
@@ -34,6 +36,17 @@ def test_every_name_starts_with_the_prefix_and_names_are_distinct() -> None:
     ]
     assert all(n.startswith("fleet:") for n in names)
     assert len(set(names)) == len(names)
+
+
+def test_names_of_the_prefix_alone_are_set_once_per_prefix() -> None:
+    k = Keys("fleet")
+    assert (k.served, k.declared, k.queues, k.cancel_set) == (
+        "fleet:served",
+        "fleet:models",
+        "fleet:queues",
+        "fleet:cancel",
+    )
+    assert Keys("other").served == "other:served" and Keys() == Keys("tokenfleet")
 
 
 def test_two_prefixes_never_share_a_name() -> None:

@@ -138,6 +138,7 @@ def split_args(code: str, start: int, closer: str = ")") -> tuple[list[str], int
 # -- following keys -----------------------------------------------------------------------------
 
 _KEYS_INDEX = re.compile(r"KEYS\[[^\[\]]+\]")
+_KEYS_UNPACK = re.compile(r"unpack\(KEYS(?:\s*,\s*[^(),]+){0,2}\)")  # a run of KEYS[] itself
 _NAME = re.compile(r"[A-Za-z_]\w*")
 _NAMES = r"[A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*"
 _FUNCTION = re.compile(r"\bfunction\s+([A-Za-z_]\w*)\s*\(([^)]*)\)")
@@ -147,9 +148,11 @@ _REDIS_CALL = re.compile(r"\bredis\.p?call\s*\(")
 _SINGLE_KEY = frozenset(
     {
         *("HGET", "HMGET", "HSET", "HDEL", "HINCRBY", "HGETALL", "HEXISTS", "EXPIRE", "PEXPIRE"),
+        *("PEXPIREAT",),
         *("DEL", "GET", "SET", "INCRBY", "LRANGE", "LLEN", "RPUSH", "LPUSH", "PUBLISH"),
         *("XACK", "XDEL", "XADD", "XLEN", "XRANGE", "XREVRANGE", "XPENDING", "XCLAIM"),
-        *("SADD", "SREM", "SISMEMBER", "SMEMBERS", "ZADD", "ZREM", "ZRANGE"),
+        *("SADD", "SREM", "SISMEMBER", "SMEMBERS", "ZADD", "ZREM", "ZRANGE", "ZSCORE"),
+        *("ZRANGEBYSCORE",),
     }
 )
 
@@ -250,7 +253,8 @@ class Bindings:
 def key_violations(source: str, allowed: frozenset[str] = frozenset()) -> list[str]:
     """Each ``redis.call``/``redis.pcall`` key argument of ``source`` that is not from KEYS.
 
-    A key argument passes if it is ``KEYS[expr]`` itself, or a name all of whose values come
+    A key argument passes if it is ``KEYS[expr]`` or ``unpack(KEYS, i[, j])`` itself (a
+    variadic command's keys: the last argument), or a name all of whose values come
     from ``KEYS[...]``: names are followed through ``local`` and plain assignments (multiple
     assignment matched by position), through function parameters (every call site's argument at
     that position) and through other such names; ``allowed`` names pass as they are. Anything
@@ -269,7 +273,9 @@ def key_violations(source: str, allowed: frozenset[str] = frozenset()) -> list[s
             out.append(f"redis.call with a computed command: {args[:1]}")
             continue
         for i in key_positions(args):
-            if i < len(args) and not (_KEYS_INDEX.fullmatch(args[i]) or args[i] in keys):
+            if i < len(args) and not (
+                _KEYS_INDEX.fullmatch(args[i]) or _KEYS_UNPACK.fullmatch(args[i]) or args[i] in keys
+            ):
                 out.append(f"{args[0]} key argument {args[i]!r} is not from KEYS[]")
     return out
 
@@ -333,6 +339,7 @@ def test_the_known_exceptions_are_still_needed() -> None:
         "-- redis.call('HGET', ARGV[1], 'in a comment')\nredis.call('TIME')",
         "local s = KEYS[1]\nlocal function f(s) redis.call('XLEN', s) end\nf(s)",
         "local function never_called(k) redis.call('HGETALL', k) end",
+        "redis.call('EXISTS', unpack(KEYS, 7))",
     ],
 )
 def test_key_check_passes_keys_from_keys(lua: str) -> None:
@@ -358,6 +365,8 @@ def test_key_check_passes_keys_from_keys(lua: str) -> None:
         "redis.pcall('XREADGROUP', 'GROUP', 'g', 'c', 'STREAMS', ARGV[2], '>')",
         "redis.call('PUBLISH', string.format('%s:ch', ARGV[1]), 'x')",
         "redis.call(ARGV[1], KEYS[1])",
+        "redis.call('EXISTS', unpack(ARGV, 2))",
+        "redis.call('EXISTS', unpack(KEYS[1] .. ':x'))",
     ],
 )
 def test_key_check_catches_keys_built_in_lua(lua: str) -> None:

@@ -13,7 +13,7 @@ import redis
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, ScriptError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.record import as_str
+from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, decode_event
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE
@@ -195,10 +195,38 @@ def test_the_terminal_transition_is_one_included_function() -> None:
 def test_enqueue_takes_each_record_key_from_keys(r: redis.Redis, keys: Keys) -> None:
     items = [EnqueueItem(rid, b"{}", None) for rid in ("a", "b")]
     k, a = enqueue_keys_args(keys, "default", Priority.NORMAL, items, now=1.0, ttl_s=60)
-    assert k[4:] == [keys.record("a"), keys.record("b")]
+    assert k[4:6] == [keys.served, keys.declared]
+    assert k[6:] == [keys.record("a"), keys.record("b")]
     with pytest.raises(redis.ResponseError, match="one record key per request"):
-        registry.call(r, ENQUEUE, k[:5], a)
+        registry.call(r, ENQUEUE, k[:7], a)
     assert r.xlen(keys.stream("default", Priority.NORMAL)) == 0  # refused before any write
     reply = registry.call(r, ENQUEUE, k, a)
-    assert [as_str(v) for v in reply[1::2]] == ["new", "new"]
+    assert reply == ["ok"]  # both new
+    again = registry.call(r, ENQUEUE, k, a)
+    assert again == ["ok", 1, b"exists", b"queued", 2, b"exists", b"queued"]
     assert r.hget(keys.record("b"), "status") == b"queued"
+
+
+def test_enqueue_writes_only_the_fields_a_reader_has_no_default_for(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """num_tokens 0, attempts 0, an empty worker or deadline and no fingerprint (a generated
+    id) are what readers assume when a field is absent, so a new record leaves them out; the
+    TTL is counted on Redis's clock, whatever the producer's ``now`` (1.0 here)."""
+    items = [
+        EnqueueItem("plain", b"{}", None, chosen_id=False),
+        EnqueueItem("full", b'{"x":1}', 99.5, chosen_id=True),
+    ]
+    r.zadd(keys.served, {"default": 1e12})  # served: nothing waits on the model
+    k, a = enqueue_keys_args(keys, "default", Priority.NORMAL, items, now=1.0, ttl_s=60)
+    registry.call(r, ENQUEUE, k, a)
+    plain = {as_str(f) for f in r.hgetall(keys.record("plain"))}
+    assert plain == {"status", "stream_id", "enqueued_at", "model", "priority"}
+    full = {as_str(f): as_str(v) for f, v in r.hgetall(keys.record("full")).items()}
+    assert set(full) == plain | {"deadline", "fingerprint"} and full["deadline"] == "99.5"
+    for rid in ("plain", "full"):
+        assert 55 < r.ttl(keys.record(rid)) <= 60
+    record = RequestRecord.from_hash("plain", r.hgetall(keys.record("plain")))
+    assert record is not None
+    assert (record.num_tokens, record.attempts, record.worker, record.deadline) == (0, 0, "", None)
+    assert record.waiting_on == ""

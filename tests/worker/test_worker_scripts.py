@@ -204,7 +204,7 @@ def test_claim_takes_only_entries_of_dead_owners(
         enqueue(r, keys, make_request(rid))
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
     r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=1)
-    Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 1})
+    Heartbeat(r, settings, worker_name="alive", model_name="default", ttl_s=30).beat({"running": 1})
     assert Claimer(r, intake.streams, claim_idle_s=3600).claim(10) == []  # not idle long enough
     claimer = Claimer(r, intake.streams, claim_idle_s=0)
     claimed = claimer.claim(10)
@@ -222,7 +222,7 @@ def test_a_beat_drops_names_that_lapsed_long_ago(
 ) -> None:
     now = time.time()
     r.zadd(keys.workers, {"old": now - heartbeat.LAPSED_KEEP_S - 5, "recent": now - 60})
-    Heartbeat(r, settings, worker_name="me", ttl_s=30).beat({"running": 0})
+    Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30).beat({"running": 0})
     assert sorted(r.zrange(keys.workers, 0, -1)) == [b"me", b"recent"]
 
 
@@ -235,7 +235,7 @@ def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(
         enqueue(r, keys, make_request(f"y{i}"))
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=5)
     r.xreadgroup(CONSUMER_GROUP, "dead", {STREAM: ">"}, count=2)
-    Heartbeat(r, settings, worker_name="alive", ttl_s=30).beat({"running": 5})
+    Heartbeat(r, settings, worker_name="alive", model_name="default", ttl_s=30).beat({"running": 5})
     claimer = Claimer(r, intake.streams, claim_idle_s=0)
     # rounds of budget 1: y0-y2 (all live), y3-y5 (takes y5), y6 (takes y6)
     got = [e.raw_id for _ in range(3) for e in claimer.claim(1)]
@@ -252,7 +252,9 @@ def test_a_restarted_worker_inherits_what_its_name_left_pending(
     r.xreadgroup(CONSUMER_GROUP, "me", {STREAM: ">"}, count=2)  # the earlier process
     r.xreadgroup(CONSUMER_GROUP, "alive", {STREAM: ">"}, count=1)
     for name in ("me", "alive"):  # the new process of "me" beats before it claims
-        Heartbeat(r, settings, worker_name=name, ttl_s=30).beat({"running": 0})
+        Heartbeat(r, settings, worker_name=name, model_name="default", ttl_s=30).beat(
+            {"running": 0}
+        )
     intake = make_intake(r, settings, worker_name="me")
     claimer = Claimer(r, intake.streams, claim_idle_s=3600)  # nothing is idle long enough to claim
     assert claimer.claim(10) == []  # without inheriting, nobody ever takes them

@@ -1,8 +1,10 @@
-"""``tokenfleet models``: the bundled models and the cache of converted GGUF files.
+"""``tokenfleet models``: the bundled models and the cache of converted GGUF files; the fleet's
+served and declared models.
 
 ``list`` shows the short names and the converted folders; ``prepare MODEL`` resolves (and for a
 GGUF file, converts) a model ahead of the first worker start, e.g. in an image build; ``clear``
-empties the conversion cache.
+empties the conversion cache. These three are local. ``fleet``, ``declare`` and ``undeclare``
+read and edit what the fleet's Redis says (``fleet_models``).
 """
 
 from __future__ import annotations
@@ -12,13 +14,16 @@ import logging
 import sys
 from typing import Any
 
+from tokenfleet.worker.commands import fleet_models
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "models",
-        help="list, prepare or clear models",
+        help="list, prepare or clear models; the fleet's served and declared models",
         description="Bundled model names and the cache of GGUF files converted into Hugging "
-        "Face folders ($TOKENFLEET_MODEL_CACHE, else ~/.cache/tokenfleet/models).",
+        "Face folders ($TOKENFLEET_MODEL_CACHE, else ~/.cache/tokenfleet/models); the models "
+        "the fleet serves and declares (fleet, declare, undeclare).",
     )
     sub = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
     sub.add_parser("list", help="bundled names and converted folders").set_defaults(func=_list)
@@ -26,6 +31,7 @@ def register(subparsers: Any) -> None:
     prepare.add_argument("model", help="bundled name, .gguf file, folder or cached hub id")
     prepare.set_defaults(func=_prepare)
     sub.add_parser("clear", help="delete every converted folder").set_defaults(func=_clear)
+    fleet_models.register_actions(sub)
 
 
 def _list(args: argparse.Namespace) -> int:

@@ -1,5 +1,8 @@
 """``tokenfleet status``: live workers (heartbeat, running, KV use) and queues at a glance.
 
+Models (README, "Models in a fleet"): a model with waiting requests and no live worker is named
+on a line of its own ("waiting on model X: N requests, no live worker").
+
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
@@ -80,6 +83,7 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     producer = Client(client, settings=settings)
     try:
         queues = [q.to_dict() for q in producer.queue_stats()]
+        models = [m.to_dict() for m in producer.models()]
     finally:
         producer.close()
     dead = client.xlen(keys.dead_letter)
@@ -88,9 +92,28 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
         "workers": workers,
         "lapsed_workers": lapsed,
         "queues": queues,
+        "models": models,
+        "waiting_on_models": waiting_on_models(queues, models),
         "dead_letters": dead,
         "pools": _pools(client, keys),
     }
+
+
+def waiting_on_models(
+    queues: list[dict[str, Any]], models: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Models with waiting requests and no live worker: ``{model, waiting, declared}`` each,
+    by name (from the queue stats and ``Client.models()``, both as dicts)."""
+    served = {m["name"] for m in models if m["served"]}
+    declared = {m["name"] for m in models if m["declared"]}
+    waiting: dict[str, int] = {}
+    for q in queues:
+        if q["waiting"] > 0 and q["model"] not in served:
+            waiting[q["model"]] = waiting.get(q["model"], 0) + q["waiting"]
+    return [
+        {"model": name, "waiting": n, "declared": name in declared}
+        for name, n in sorted(waiting.items())
+    ]
 
 
 def _pools(client: Any, keys: Any) -> list[dict[str, Any]]:
@@ -126,6 +149,11 @@ def render(snap: dict[str, Any]) -> str:
             )
     if snap["lapsed_workers"]:
         lines.append(f"  lapsed (no heartbeat): {', '.join(snap['lapsed_workers'])}")
+    for w in snap.get("waiting_on_models", []):  # (absent in a snapshot of an older version)
+        lines.append(
+            f"waiting on model {w['model']}: {w['waiting']} requests, no live worker"
+            + (" (declared)" if w["declared"] else "")
+        )
     lines.append(f"queues: {len(snap['queues'])}   dead letters: {snap['dead_letters']}")
     if snap["queues"]:
         lines.append(

@@ -5,6 +5,13 @@ Heartbeat: hash ``P:worker:NAME`` (stats) with a TTL of ``heartbeat_ttl_s``, rew
 dead), plus ``ZADD P:workers NAME now`` for ``tokenfleet status``; each beat also drops names
 that have not beaten for ``LAPSED_KEEP_S`` (every restart under ``HOST-PID`` adds a name). Other
 workers claim the entries of a worker whose heartbeat lapsed (``tokenfleet.worker.intake.claimer``).
+
+While it takes new work, each beat also says which model it serves: ``ZADD P:served GT MODEL
+now+TTL`` (``GT``: a peer that beat later, or with a longer TTL, is never cut short), so a model
+is served exactly while one of its workers' heartbeats would still be alive; the enqueue script
+refuses requests for models neither served nor declared (README, "Models in a fleet"). Nothing
+is removed on exit (peers may serve the same model; the expiry ends it), and entries that lapsed
+``LAPSED_KEEP_S`` ago are dropped like names.
 """
 
 from __future__ import annotations
@@ -23,19 +30,27 @@ LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:work
 
 
 class Heartbeat:
-    """Writes and removes one worker's heartbeat."""
+    """Writes and removes one worker's heartbeat, and says which model it serves."""
 
     def __init__(
-        self, client: redis.Redis, settings: Settings, *, worker_name: str, ttl_s: float
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        *,
+        worker_name: str,
+        model_name: str,
+        ttl_s: float,
     ) -> None:
         self.client = client
         self.keys = Keys(settings.key_prefix)
         self.worker_name = worker_name
+        self.model_name = model_name
         self.ttl_ms = max(1, math.ceil(ttl_s * 1000))
         self.started_at = time.time()
 
-    def beat(self, stats: Mapping[str, str | int | float]) -> None:
-        """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip."""
+    def beat(self, stats: Mapping[str, str | int | float], *, serving: bool = True) -> None:
+        """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip; while
+        ``serving`` (it takes new work: not stopping), extend its model's served expiry."""
         now = time.time()
         key = self.keys.worker(self.worker_name)
         pipe = self.client.pipeline(transaction=True)
@@ -44,6 +59,10 @@ class Heartbeat:
         pipe.pexpire(key, self.ttl_ms)
         pipe.zadd(self.keys.workers, {self.worker_name: now})
         pipe.zremrangebyscore(self.keys.workers, "-inf", now - LAPSED_KEEP_S)
+        if serving:
+            served = self.keys.served
+            pipe.zadd(served, {self.model_name: now + self.ttl_ms / 1000}, gt=True)
+            pipe.zremrangebyscore(served, "-inf", now - LAPSED_KEEP_S)
         pipe.execute()
 
     def remove(self) -> None:

@@ -132,7 +132,11 @@ class WorkerService:
         )
         self.failures = StepFailures(self.feed, self.outbox, worker_name=name)
         self.heartbeat = Heartbeat(
-            self.client, settings, worker_name=name, ttl_s=wsettings.heartbeat_ttl_s
+            self.client,
+            settings,
+            worker_name=name,
+            model_name=wsettings.model_name,
+            ttl_s=wsettings.heartbeat_ttl_s,
         )
         self.outage = OutageRider(
             self.client,
@@ -372,5 +376,6 @@ class WorkerService:
                 "redis_outages": self.outage.outages,
                 "redis_outage_s": round(self.outage.waited_s, 1),
                 **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
-            }
+            },
+            serving=not self.stop_requested,  # a stopping worker takes no new work
         )

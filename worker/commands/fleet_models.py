@@ -1,0 +1,120 @@
+"""``tokenfleet models fleet | declare | undeclare``: the models a fleet serves and declares.
+
+``fleet`` lists every model that a live worker serves or the fleet declares (``Client.models()``)
+with its count of live workers; ``declare NAME...`` / ``undeclare NAME...`` edit the declared set
+(``Keys.declared``). A request for a model that is neither served nor declared is refused at
+submit once the fleet declares anything or has a live worker; a declared one with no live worker
+is accepted and waits (README, "Models in a fleet"). These actions talk to Redis; the local ones
+beside them (``list``, ``prepare``, ``clear``) do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from typing import Any
+
+
+def register_actions(sub: Any) -> None:
+    """Add ``fleet``, ``declare`` and ``undeclare`` to the ``models`` subparsers."""
+    fleet = sub.add_parser(
+        "fleet",
+        help="models the fleet serves (live workers) and declares",
+        description="Every model a live worker serves or the fleet declares, with its number "
+        "of live workers and when its last server's heartbeat lapses.",
+    )
+    fleet.add_argument("--json", action="store_true", help="print JSON")
+    fleet.set_defaults(func=_fleet)
+    declare = sub.add_parser(
+        "declare",
+        help="declare models: requests for them are accepted while no worker serves them",
+        description="Add model names to the fleet's declared models. Once a fleet declares a "
+        "model or has a live worker, submit refuses models that are neither served nor declared.",
+    )
+    undeclare = sub.add_parser("undeclare", help="remove models from the declared ones")
+    for p, func in ((declare, _declare), (undeclare, _undeclare)):
+        p.add_argument("names", nargs="+", metavar="NAME", help="served-model name")
+        p.set_defaults(func=func)
+    for p in (fleet, declare, undeclare):
+        p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+
+
+def worker_counts(client: Any, keys: Any) -> Counter[str]:
+    """Live workers per model: those whose heartbeat hash exists (one pipelined round trip)."""
+    from tokenfleet.shared.record import as_str
+
+    names = client.zrange(keys.workers, 0, -1)
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.hget(keys.worker(as_str(name) or ""), "model")
+    return Counter(as_str(m) or "" for m in pipe.execute() if m is not None)
+
+
+def _fleet(args: argparse.Namespace) -> int:
+    import orjson
+    import redis
+
+    from tokenfleet.producer import Client
+    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.settings import Settings
+
+    settings = Settings.from_env().with_url(args.redis_url)
+    client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    try:
+        with Client(client, settings=settings) as producer:
+            models = producer.models()
+        counts = worker_counts(client, Keys(settings.key_prefix))
+    finally:
+        client.close()
+    rows = [{**m.to_dict(), "workers": counts.get(m.name, 0)} for m in models]
+    if args.json:
+        print(orjson.dumps(rows).decode())
+        return 0
+    if not rows:
+        print("no model is served or declared: submit accepts any model (an empty fleet)")
+        return 0
+    now = time.time()
+    print(f"{'model':<32} {'served':<7} {'declared':<9} {'workers':>7}  heartbeat")
+    for row in rows:
+        expires = row["expires_at"]
+        if expires is None:
+            beat = "-"
+        elif expires > now:
+            beat = f"lapses in {expires - now:.0f}s"
+        else:
+            beat = f"lapsed {now - expires:.0f}s ago"
+        print(
+            f"{row['name'][:32]:<32} {'yes' if row['served'] else 'no':<7} "
+            f"{'yes' if row['declared'] else 'no':<9} {row['workers']:>7}  {beat}"
+        )
+    return 0
+
+
+def _edit(args: argparse.Namespace, add: bool) -> int:
+    import redis
+
+    from tokenfleet.shared.keys import Keys, check_model_name
+    from tokenfleet.shared.record import as_str
+    from tokenfleet.shared.settings import Settings
+
+    names = [check_model_name(n) for n in args.names]  # InvalidRequest names a bad one
+    settings = Settings.from_env().with_url(args.redis_url)
+    client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    key = Keys(settings.key_prefix).declared
+    try:
+        changed = client.sadd(key, *names) if add else client.srem(key, *names)
+        declared = sorted(as_str(n) or "" for n in client.smembers(key))
+    finally:
+        client.close()
+    verb = "declared" if add else "undeclared"
+    print(f"{verb} {changed} of {len(names)}; declared now: {', '.join(declared) or 'none'}")
+    return 0
+
+
+def _declare(args: argparse.Namespace) -> int:
+    return _edit(args, add=True)
+
+
+def _undeclare(args: argparse.Namespace) -> int:
+    return _edit(args, add=False)
