@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import httpx
 import redis
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.worker.devtools.local_redis import RedisServer
 
 DEADLINE_S = 120.0
 
@@ -135,3 +138,44 @@ def sse_lines(response: httpx.Response) -> Any:
             continue
         name, _, value = line.partition(":")
         yield name, value.removeprefix(" ")
+
+
+@dataclass
+class Fleet:
+    """What a gateway test talks to."""
+
+    redis_url: str
+    prefix: str
+    keys: Keys
+    r: redis.Redis
+    gateway: Gateway
+    worker: Worker
+    log_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return self.gateway.url + "/v1"
+
+    def second_gateway(self, *extra: str, name: str = "gateway-2") -> Gateway:
+        return Gateway(self.redis_url, self.prefix, self.log_dir, *extra, name=name).wait_ready()
+
+
+def start_fleet(
+    redis_server: RedisServer,
+    r: redis.Redis,
+    model_dir: Path,
+    log_dir: Path,
+    gateway_args: tuple[str, ...] = (),
+    worker_args: tuple[str, ...] = (),
+) -> Fleet:
+    prefix = f"gw{uuid.uuid4().hex[:8]}"
+    worker = Worker(model_dir, redis_server.url, prefix, "gw-worker", log_dir, *worker_args)
+    gateway = Gateway(redis_server.url, prefix, log_dir, *gateway_args)
+    try:
+        worker.wait_ready(r)
+        gateway.wait_ready()
+    except BaseException:
+        worker.close()
+        gateway.close()
+        raise
+    return Fleet(redis_server.url, prefix, Keys(prefix), r, gateway, worker, log_dir)

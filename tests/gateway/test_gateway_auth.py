@@ -11,8 +11,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import Fleet, start_fleet
-from gateway_helpers import wait_for
+from gateway_helpers import Fleet, start_fleet, wait_for
 
 from tokenfleet.producer.gateway.auth import ApiKeyAdmin
 from tokenfleet.shared.settings import Settings

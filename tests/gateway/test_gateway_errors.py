@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import Fleet
+from gateway_helpers import Fleet
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import Fleet
+from gateway_helpers import Fleet
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from conftest import Fleet, start_fleet
-from gateway_helpers import wait_for
+from gateway_helpers import Fleet, start_fleet, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings

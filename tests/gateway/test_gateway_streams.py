@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import Fleet
-from gateway_helpers import Gateway, wait_for
+from gateway_helpers import Fleet, Gateway, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,12 +28,14 @@ def text_of(chunk: dict) -> str:
     return choice["text"] if "text" in choice else choice["delta"].get("content", "")
 
 
-def read_until(resp: httpx.Response, last_index: int) -> tuple[list[tuple[int, str]], int | None]:
+def read_until(lines: Iterator[str], last_index: int) -> tuple[list[tuple[int, str]], int | None]:
     """(index, text) of each token chunk up to and including ``last_index``; stops there (the
-    event's data has been read: its id is the client's position)."""
+    event's data has been read: its id is the client's position). ``lines`` is the caller's
+    ``resp.iter_lines()``, kept alive by the caller: an iterator dropped here would be
+    collected at once, and closing it closes the connection (a disconnect, to the gateway)."""
     got: list[tuple[int, str]] = []
     event_id = None
-    for line in resp.iter_lines():
+    for line in lines:
         if line.startswith("id: "):
             event_id = int(line[4:])
         elif line.startswith("data: {") and event_id is not None:
@@ -89,7 +91,7 @@ def test_resume_after_the_connection_is_cut(fleet: Fleet, endpoint: str) -> None
             target=lambda: reference.append(uninterrupted(fleet.base_url, rid))
         )
         follower.start()
-        first, last = read_until(resp, 9)
+        first, last = read_until(resp.iter_lines(), 9)
     # the connection is closed here, mid-stream: the request goes on (continue)
     assert last is not None
     rest, datas = read_rest(fleet.base_url, rid, last)
@@ -108,15 +110,17 @@ def test_resume_through_a_second_gateway_after_sigkill(fleet: Fleet) -> None:
         body = {**LONG, "max_tokens": 200, "prompt": "survive the gateway"}
         with httpx.stream("POST", doomed.url + "/v1/completions", json=body, timeout=60) as resp:
             rid = resp.headers["x-request-id"]
-            first, last = read_until(resp, 4)
+            lines = resp.iter_lines()  # held open until the gateway is dead: no disconnect
+            first, last = read_until(lines, 4)
             doomed.signal(signal.SIGKILL)  # mid-stream, default X-On-Disconnect (cancel)
             doomed.proc.wait(10)
+            del lines
         assert last == 4
         rest, datas = read_rest(fleet.base_url, rid, last)  # the module's gateway resumes
     finally:
         doomed.close()
     tokens = first + rest
-    assert [i for i, _ in tokens] == list(range(200))
+    assert [i for i, _ in tokens] == list(range(200)), (datas[-2:], record(fleet, rid))
     assert datas[-1] == "[DONE]"
     final = record(fleet, rid)
     assert final["status"] == "done"
@@ -139,7 +143,7 @@ def test_disconnect_cancels_a_stream_by_default(fleet: Fleet) -> None:
     body = {**LONG, "max_tokens": 3000, "prompt": "leave early"}
     with httpx.stream("POST", f"{fleet.base_url}/completions", json=body, timeout=60) as resp:
         rid = resp.headers["x-request-id"]
-        read_until(resp, 2)
+        read_until(resp.iter_lines(), 2)
     final = wait_for(
         lambda: (rec := record(fleet, rid))["status"] in ("cancelled", "done") and rec,
         "the request to end",
@@ -155,7 +159,7 @@ def test_disconnect_with_continue_leaves_it_running(fleet: Fleet) -> None:
         "POST", f"{fleet.base_url}/completions", json=body, headers=headers, timeout=60
     ) as resp:
         rid = resp.headers["x-request-id"]
-        read_until(resp, 2)
+        read_until(resp.iter_lines(), 2)
     final = wait_for(
         lambda: (rec := record(fleet, rid))["status"] not in ("queued", "running") and rec,
         "the request to end",

@@ -6,24 +6,28 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from worker_helpers import WorkerProc, make_intake, wait_for
 
 from tokenfleet.producer import Client
+from tokenfleet.producer.gateway.auth import ApiKeyAdmin
 from tokenfleet.shared.schema import RequestStatus
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
-from tokenfleet.worker.devtools.local_redis import RedisServer
+from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.intake.reader import IntakeReader
 
 PREFIX = "tfacl"
 README = Path(__file__).resolve().parents[2] / "README.md"
-USERS = ("tf-producer", "tf-worker", "tf-admin")
+USERS = ("tf-producer", "tf-gateway", "tf-worker", "tf-admin")
 
 
 def readme_acl_commands(prefix: str, passwords: dict[str, str]) -> list[list[str]]:
@@ -130,6 +134,58 @@ def test_the_fleet_runs_with_exactly_the_readme_users(
             assert bad not in w.output(), w.output()
     finally:
         w.close()
+
+
+def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
+    urls: dict[str, str],
+    rr: redis.Redis,
+    tiny_model_dir: Path,
+    tmp_path: Path,
+) -> None:
+    rr.acl_log_reset()
+    w = WorkerProc(tiny_model_dir, urls["tf-worker"], PREFIX, "acl-gw-w", tmp_path)
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
+    env = {**os.environ, "REDIS_URL": urls["tf-gateway"], "TOKENFLEET_KEY_PREFIX": PREFIX}
+    args = ["serve", "--port", str(port), "--auth", "required", "--log-level", "warning"]
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "tokenfleet.worker.cli", *args], env=env, stdout=log, stderr=log
+    )
+    try:
+        w.wait_ready(rr)
+        admin = ApiKeyAdmin(
+            redis.Redis.from_url(urls["tf-admin"]),
+            Settings(redis_url=urls["tf-admin"], key_prefix=PREFIX),
+        )
+        secret, _ = admin.create("acl-gateway-key", rpm=100, tpm=10_000)
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()
+            try:
+                return httpx.get(base + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, "the gateway")
+        resp = httpx.post(
+            base + "/v1/completions",
+            json={"model": "default", "prompt": "Hi", "max_tokens": 3},
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-ratelimit-remaining-requests"] == "99"
+        rid = resp.json()["id"]
+        got = httpx.get(f"{base}/v1/requests/{rid}", headers={"Authorization": f"Bearer {secret}"})
+        assert got.json()["status"] == "done"
+        assert _acl_denials(rr, USERS) == []
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        log.close()
+        w.close()
+    assert b"NOPERM" not in (tmp_path / "gateway.log").read_bytes()
 
 
 def _refused(url: str, *command: Any) -> bool:
