@@ -10,8 +10,10 @@ side goes first (the machine is shared: a pair measured close together is the fa
 
 * ``stream``: ``--concurrency`` requests of ``--max-tokens`` tokens at once; throughput =
   tokens received / (last end - first submit), and the ratio gateway ÷ python.
-* ``ttft``: ``--ttft-requests`` single requests one after another (an idle fleet), alternating
-  side per request; TTFT = first token received - submit; p50 of each side and the difference.
+* ``ttft``: ``--ttft-requests`` pairs of single requests one after another (an idle fleet),
+  the same prompt through each side back to back, which side first alternating; TTFT = first
+  token received - submit; p50 of each side, and the p50 of the pairs' differences (the fairer
+  figure on a shared machine: a pair sees the same load).
 * ``rate``: ``--rate-requests`` non-streaming requests of 1 token, ``--concurrency`` in flight
   at a time; requests per second through the gateway (one uvicorn process) and, for scale,
   through the Python client on the same fleet.
@@ -148,6 +150,7 @@ async def rate_round(sides: Sides, side: str, total: int, concurrency: int) -> f
 async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_url: str) -> None:
     settings = Settings(redis_url=redis_url, key_prefix=prefix)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    pairs: list[float] = []  # gateway - python TTFT of one prompt, measured back to back
     async with (
         AsyncClient.from_url(settings=settings) as client,
         httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http,
@@ -168,6 +171,7 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
                 for side in order[(rnd + i) % 2]:
                     fn = sides.python if side == "python" else sides.gateway
                     ttft[side].append((await fn(PROMPTS[i % len(PROMPTS)], 2))[0] * 1000)
+                pairs.append(ttft["gateway"][-1] - ttft["python"][-1])
             for side in order[rnd % 2]:
                 rate[side].append(
                     await rate_round(sides, side, args.rate_requests, args.concurrency)
@@ -194,6 +198,11 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
         f"{p50['gateway'] - p50['python']:>+12.2f}"
     )
     print(
+        f"{'  TTFT paired difference p50 / p25 / p75, ms':<44}{'':>20}  "
+        f"{percentile(pairs, 50):+.2f} / {percentile(pairs, 25):+.2f} / "
+        f"{percentile(pairs, 75):+.2f}"
+    )
+    print(
         f"{'non-streaming requests/s (1 token)':<44}"
         f"{statistics.median(rate['python']):>10.1f}{statistics.median(rate['gateway']):>10.1f}"
         f"{statistics.median(rate['gateway']) / statistics.median(rate['python']):>12.3f}"
@@ -206,7 +215,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--ttft-requests", type=int, default=20)
+    parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument("--rate-requests", type=int, default=200)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))

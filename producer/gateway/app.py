@@ -53,13 +53,15 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         client = AsyncClient(redis_client, settings=settings)
         gateway = Gateway(client, gateway_settings, key_store=store, drain=drain)
         app.state.gateway = gateway
-        sampler = asyncio.get_running_loop().create_task(drain.run())
+        loop = asyncio.get_running_loop()
+        background = [loop.create_task(drain.run()), loop.create_task(gateway.keep_models_fresh())]
         try:
             yield
         finally:
-            sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sampler
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await gateway.aclose()
             await redis_client.aclose()
 

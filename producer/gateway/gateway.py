@@ -10,11 +10,14 @@ every check before the submit passed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import redis
 
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.async_handle import AsyncHandle
@@ -88,16 +91,32 @@ class Gateway:
             raise ApiError(401, str(exc), code="invalid_api_key") from None
 
     async def models(self) -> dict[str, Any]:
-        """The fleet's models by name (``ModelInfo``), cached for ``models_ttl_s``."""
+        """The fleet's models by name (``ModelInfo``): what :meth:`refresh_models` last read.
+        Read inline only when that is older than twice ``models_ttl_s`` (the refresher is
+        behind, or Redis was unreachable), so a request rarely waits on it."""
         at, models = self._models
-        if time.monotonic() - at > self.settings.models_ttl_s:
-            models = {m.name: m for m in await self.client.models()}
-            self._models = (time.monotonic(), models)
+        if time.monotonic() - at > 2 * self.settings.models_ttl_s:
+            models = await self.refresh_models()
         return models
+
+    async def refresh_models(self) -> dict[str, Any]:
+        """Read the fleet's models (live heartbeats, declarations) now and cache them."""
+        models = {m.name: m for m in await self.client.models()}
+        self._models = (time.monotonic(), models)
+        return models
+
+    async def keep_models_fresh(self) -> None:
+        """Re-read the models every ``models_ttl_s`` (the app's lifespan runs it as a task)."""
+        while True:
+            with contextlib.suppress(redis.RedisError):
+                await self.refresh_models()
+            await asyncio.sleep(self.settings.models_ttl_s)
 
     async def check_model(self, model: str) -> None:
         """404 for a model nobody serves or declared, 503 for one with no live worker now."""
         info = (await self.models()).get(model)
+        if info is None or not info.served:  # news since the last refresh? (a worker that
+            info = (await self.refresh_models()).get(model)  # just started): read it again
         if info is None:
             raise ApiError(
                 404,

@@ -30,8 +30,8 @@ class GatewaySettings:
             ``X-On-Disconnect`` header: ``cancel`` (free the KV at once) or ``continue``.
         submit_wait_s: how long a submit may wait for room in a queue whose policy is
             ``block`` before it is answered 429.
-        models_ttl_s: how long the fleet's model list (live workers, declarations) is cached
-            per process before it is read again.
+        models_ttl_s: how often each process re-reads the fleet's model list (live workers,
+            declarations) in the background; requests check models against that copy.
         default_max_tokens: ``max_tokens`` when a request gives none.
     """
 
