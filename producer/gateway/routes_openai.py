@@ -186,8 +186,8 @@ async def chat_completions(request: Request, body: ChatBody, caller: CallerDep) 
 
 @router.get("/v1/models")
 async def list_models(request: Request, caller: CallerDep) -> dict[str, Any]:
-    """The models some live worker serves now."""
-    models = await gateway_of(request).models()
+    """The models some live worker serves now (read afresh: not a hot path)."""
+    models = await gateway_of(request).refresh_models()
     data = []
     for info in sorted(models.values(), key=lambda m: m.name):
         if info.served:
