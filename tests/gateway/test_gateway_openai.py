@@ -206,3 +206,19 @@ def test_openapi_schema_documents_the_extensions(fleet: Fleet) -> None:
     assert "X-Priority" in schema["info"]["description"]
     props = schema["components"]["schemas"]["ChatBody"]["properties"]
     assert {"priority", "deadline_s", "top_k"} <= set(props)
+
+
+def test_a_declared_model_with_no_live_worker_is_503(fleet: Fleet) -> None:
+    fleet.r.sadd(fleet.keys.declared, "ghost-model")
+    try:
+        resp = httpx.post(
+            fleet.base_url + "/chat/completions",
+            json={"model": "ghost-model", "messages": CHAT},
+            timeout=30,
+        )
+    finally:
+        fleet.r.srem(fleet.keys.declared, "ghost-model")
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "model_unavailable"
+    assert int(resp.headers["retry-after"]) >= 1
+    assert not list(fleet.r.scan_iter(match=f"{fleet.prefix}:q:ghost-model:*"))

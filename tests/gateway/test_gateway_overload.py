@@ -89,6 +89,8 @@ def test_full_drop_newest_queue_is_429_with_retry_after(busy_fleet: Fleet, hog: 
     assert resp.json()["error"]["type"] == "rate_limit_error"
     assert int(resp.headers["retry-after"]) >= 1
     assert set(busy_fleet.r.scan_iter(match=f"{busy_fleet.prefix}:req:*")) == before
+    # what the Retry-After is derived from: workers count each start per queue
+    assert int(busy_fleet.r.hget(busy_fleet.keys.drained, "default|normal") or 0) >= 1
     with client_of(busy_fleet) as client:
         client.cancel(waiting)
 

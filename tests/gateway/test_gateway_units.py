@@ -167,3 +167,27 @@ def test_drain_meter_rate_and_retry_after() -> None:
     assert meter.retry_after_s("m", Priority.NORMAL, slots=50) == MAX_RETRY_AFTER_S
     # nothing drained: the time observed so far, at least 1 s
     assert 1 <= meter.retry_after_s("m", Priority.BATCH) <= 30
+
+
+def test_drain_meter_samples_the_fleet_counters(redis_url: str) -> None:
+    import asyncio
+
+    import redis.asyncio
+
+    keys = Keys("tdrain")
+
+    async def run() -> float:
+        client = redis.asyncio.Redis.from_url(redis_url)
+        try:
+            meter = DrainMeter(client, keys)
+            await client.hset(keys.drained, "m|normal", 5)
+            await meter.sample()
+            await client.hincrby(keys.drained, "m|normal", 7)
+            await meter.sample()
+            (t0, c0), (t1, c1) = meter._samples["m|normal"]
+            assert (c0, c1) == (5, 12)
+            return meter.rate("m", Priority.NORMAL) * (t1 - t0)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == pytest.approx(7)
