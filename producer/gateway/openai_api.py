@@ -173,6 +173,18 @@ def _sampling(body: _Common, max_tokens: int | None, default_max: int) -> dict[s
     return params
 
 
+def _submission(kind: Kind, body: _Common, params: dict[str, Any], prompt_size: int) -> Submission:
+    return Submission(
+        kind,
+        body.model,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
+        params,
+        body.priority,
+        prompt_size + params["max_tokens"],
+    )
+
+
 def completion_submission(body: CompletionBody) -> Submission:
     """A ``/v1/completions`` body as a submission (``ApiError`` 400 names what is wrong)."""
     _refuse_unsupported(body)
@@ -186,15 +198,7 @@ def completion_submission(body: CompletionBody) -> Submission:
     params = _sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
     params["prompt"] = prompt
     size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt)
-    return Submission(
-        "completion",
-        body.model,
-        body.stream,
-        bool(body.stream_options and body.stream_options.include_usage),
-        params,
-        body.priority,
-        size + params["max_tokens"],
-    )
+    return _submission("completion", body, params, size)
 
 
 def _message_text(i: int, message: Message) -> str:
@@ -240,12 +244,4 @@ def chat_submission(body: ChatBody, default_max_tokens: int) -> Submission:
     params = _sampling(body, limit if limit is not None else body.max_tokens, default_max_tokens)
     params["messages"] = messages
     size = sum(len(m["content"]) for m in messages) // 4
-    return Submission(
-        "chat",
-        body.model,
-        body.stream,
-        bool(body.stream_options and body.stream_options.include_usage),
-        params,
-        body.priority,
-        size + params["max_tokens"],
-    )
+    return _submission("chat", body, params, size)

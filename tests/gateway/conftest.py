@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from gateway_helpers import Fleet, start_fleet
+from gateway_helpers import Fleet, module_fleet
 
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -29,9 +29,4 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-logs")
-    f = start_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)
-    try:
-        yield f
-    finally:
-        f.gateway.close()
-        f.worker.close()
+    yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,3 +179,20 @@ def start_fleet(
         gateway.close()
         raise
     return Fleet(redis_server.url, prefix, Keys(prefix), r, gateway, worker, log_dir)
+
+
+def module_fleet(
+    redis_server: RedisServer,
+    r: redis.Redis,
+    model_dir: Path,
+    log_dir: Path,
+    gateway_args: tuple[str, ...] = (),
+    worker_args: tuple[str, ...] = (),
+) -> Iterator[Fleet]:
+    """A module fixture's body: a fleet for the module's tests, stopped after them."""
+    f = start_fleet(redis_server, r, model_dir, log_dir, gateway_args, worker_args)
+    try:
+        yield f
+    finally:
+        f.gateway.close()
+        f.worker.close()

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 import redis
-from gateway_helpers import Fleet, start_fleet, wait_for
+from gateway_helpers import Fleet, module_fleet, wait_for
 
 from tokenfleet.producer.gateway.auth import ApiKeyAdmin
 from tokenfleet.shared.settings import Settings
@@ -30,14 +30,9 @@ def keyed(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-auth-logs")
-    f = start_fleet(
+    yield from module_fleet(
         redis_server, plain_redis, tiny_llama_dir, log_dir, gateway_args=("--auth", "required")
     )
-    try:
-        yield f
-    finally:
-        f.gateway.close()
-        f.worker.close()
 
 
 def admin(fleet: Fleet) -> ApiKeyAdmin:

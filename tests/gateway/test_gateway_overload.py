@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
-from gateway_helpers import Fleet, start_fleet, wait_for
+from gateway_helpers import Fleet, module_fleet, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings
@@ -34,14 +34,9 @@ def busy_fleet(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-overload-logs")
-    f = start_fleet(
+    yield from module_fleet(
         redis_server, plain_redis, tiny_llama_dir, log_dir, worker_args=("--max-num-seqs", "1")
     )
-    try:
-        yield f
-    finally:
-        f.gateway.close()
-        f.worker.close()
 
 
 def status(fleet: Fleet, rid: str) -> str:
