@@ -90,7 +90,12 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         return {"status": "ok"}
 
     app.add_middleware(CountResponses, metrics_of=lambda: _metrics(app))
-    app.add_middleware(BodyLimit, max_bytes=gateway_settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=gateway_settings.max_body_bytes,
+        max_upload_bytes=gateway_settings.max_file_bytes,
+        upload_paths=("/v1/files",),
+    )
     return app
 
 

@@ -31,19 +31,30 @@ def too_large_message(max_bytes: int) -> str:
 
 
 class BodyLimit:
-    """Refuse request bodies over ``max_bytes`` with 413."""
+    """Refuse request bodies over ``max_bytes`` with 413 (``max_upload_bytes`` for the paths
+    that take file uploads, ``upload_paths``)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        *,
+        max_upload_bytes: int | None = None,
+        upload_paths: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_upload_bytes = max_upload_bytes or max_bytes
+        self.upload_paths = upload_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.max_upload_bytes if scope["path"] in self.upload_paths else self.max_bytes
         for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await self._refuse(send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                await self._refuse(send, limit)
                 return
         seen = 0
         started = False
@@ -53,8 +64,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge(self.max_bytes)
+                if seen > limit:
+                    raise BodyTooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -66,10 +77,10 @@ class BodyLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._refuse(send)
+                await self._refuse(send, limit)
 
-    async def _refuse(self, send: Send) -> None:
-        message = too_large_message(self.max_bytes)
+    async def _refuse(self, send: Send, limit: int) -> None:
+        message = too_large_message(limit)
         body = orjson.dumps(error_body(413, message, code="body_too_large"))
         await send(
             {

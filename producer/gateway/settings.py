@@ -26,6 +26,7 @@ class GatewaySettings:
         auth: ``off`` (anyone who reaches the port may submit; for local use) or ``required``
             (every ``/v1`` call needs an API key from ``tokenfleet keys create``).
         max_body_bytes: a request body larger than this is answered 413 before it is parsed.
+        max_file_bytes: the same for a file upload (``POST /v1/files``: a batch's JSONL).
         on_disconnect: what a client's disconnect does to its request when it sends no
             ``X-On-Disconnect`` header: ``cancel`` (free the KV at once) or ``continue``.
         submit_wait_s: how long a submit may wait for room in a queue whose policy is
@@ -39,6 +40,7 @@ class GatewaySettings:
     port: int = 8000
     auth: str = "off"
     max_body_bytes: int = 2_097_152
+    max_file_bytes: int = 104_857_600
     on_disconnect: str = "cancel"
     submit_wait_s: float = 10.0
     models_ttl_s: float = 1.0
@@ -53,7 +55,7 @@ class GatewaySettings:
             )
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "default_max_tokens"):
+        for name in ("max_body_bytes", "max_file_bytes", "default_max_tokens"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("submit_wait_s", "models_ttl_s"):
