@@ -203,7 +203,9 @@ class BatchStore:
             if rank is None:
                 raise NotFound("batch", after)
             start = int(rank) + 1  # type: ignore[arg-type]  # ZREVRANK without WITHSCORE: an int
-        ids = await self._r.zrevrange(self._keys.batches, start, start + limit)
+        ids: builtins.list[Any] = await self._r.zrevrange(
+            self._keys.batches, start, start + limit
+        )  # without scores: members only (bytes)
         out = [await self.get(as_str(i) or "") for i in ids[:limit]]
         return out, len(ids) > limit
 
