@@ -25,6 +25,7 @@ from batch_helpers import (
 )
 from gateway_helpers import Worker
 
+from tokenfleet.producer.gateway.batches import BatchRunner
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -58,7 +59,7 @@ def bsettings(redis_server: RedisServer, worker: Worker, prefix: str) -> Setting
     return Settings(redis_url=redis_server.url, key_prefix=prefix)
 
 
-async def _with_runner(env: Env, coro: object, **kw: object) -> None:
+async def _with_runner(env: Env, coro: object, **kw: object) -> BatchRunner:
     runner = env.runner(**kw)
     task = asyncio.create_task(runner.run())
     try:
@@ -66,6 +67,7 @@ async def _with_runner(env: Env, coro: object, **kw: object) -> None:
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    return runner
 
 
 def test_a_40_line_batch_completes_and_matches_its_input(bsettings: Settings) -> None:
@@ -233,5 +235,31 @@ def test_two_runners_share_the_active_batches(bsettings: Settings) -> None:
         for k, b in enumerate(done):
             assert b.status == "completed"
             await check_exactly_once(env, b, [f"req-{i + 100 * k}" for i in range(10)])
+
+    with_env(bsettings, body)
+
+
+def test_a_batch_queue_bound_smaller_than_the_window_refuses_nothing(
+    bsettings: Settings,
+) -> None:
+    """With the batch queue bounded at 2 waiting and a window cap of 16, the runner backs off
+    on a full queue (try mode: nothing evicted, nothing dropped) and every line still runs."""
+    lines = [chat_line(i, max_tokens=2) for i in range(24)]
+
+    async def body(env: Env) -> None:
+        await env.client.set_queue_config("batch", "default", max_waiting=2)
+        try:
+            b = await upload_and_create(env, lines)
+
+            async def wait() -> None:
+                nonlocal b
+                b = await wait_batch(env, b.id, final)
+
+            runner = await _with_runner(env, wait(), window=16)
+        finally:
+            await env.client.set_queue_config("batch", "default", max_waiting=10_000)
+        assert b.status == "completed" and (b.completed, b.failed) == (24, 0)
+        assert runner.drivers[b.id].refusals >= 1  # the bound was met, and nothing was lost
+        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
 
     with_env(bsettings, body)

@@ -52,6 +52,7 @@ from tokenfleet.shared.scripts.registry import acall
 
 log = logging.getLogger(__name__)
 START_WINDOW = 8
+_SWEEP_CHUNK = 500  # lines a cancel / expiry sweep records concurrently
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,7 @@ class BatchDriver:
         self.window = min(START_WINDOW, cfg.window)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.max_in_flight = 0  # the most lines this driver had in flight at once (tests)
+        self.refusals = 0  # submits a full batch queue refused (each halved the window)
         self._renewed = 0.0
         self._adapted = 0.0
         self.model = ""  # the model of the lines (W adapts to its batch queue)
@@ -103,7 +105,7 @@ class BatchDriver:
 
     async def _drive(self) -> None:
         b = await self._read()
-        if b.final:
+        if b.final or not b.id:  # final, or its hash is gone: nothing to drive
             await self.cfg.redis.srem(self.k.batches_active, self.bid)
             return
         self.batch = b
@@ -209,6 +211,7 @@ class BatchDriver:
                 except (Overloaded, ModelNotServed, redis.RedisError) as exc:
                     log.info("batch %s line %d: not submitted now (%s)", self.bid, i, exc)
                     await self._advance(i)
+                    self.refusals += isinstance(exc, Overloaded)
                     await self._adapt(refused=isinstance(exc, Overloaded))
                     return
                 room -= 1
@@ -295,17 +298,25 @@ class BatchDriver:
         for i in list(self.tasks):
             with contextlib.suppress(TokenfleetError, redis.RedisError):
                 await self.cfg.client.cancel(L.request_id(self.bid, i))
-        if self.tasks:
-            await asyncio.wait(self.tasks.values(), timeout=self.cfg.stop_wait_s)
-        await self._renew(force=True)
+        until = time.monotonic() + self.cfg.stop_wait_s
+        while self.tasks and time.monotonic() < until:  # the cancelled requests end
+            await asyncio.wait(self.tasks.values(), timeout=self.cfg.tick_s)
+            await self._renew()
         done = await self._ledger()
-        texts = await self.cfg.redis.lrange(self.lines_key, 0, -1)
-        for i in range(self.batch.total):
-            if i not in done:
-                raw = as_str(texts[i]) or "" if i < len(texts) else ""
-                await self._record(
-                    i, "err", L.error_line(self.bid, i, L.custom_id_of(raw), code, message)
-                )
+        missing = [i for i in range(self.batch.total) if i not in done]
+        for start in range(0, len(missing), _SWEEP_CHUNK):
+            await self._renew()
+            chunk = missing[start : start + _SWEEP_CHUNK]
+            pipe = self.cfg.redis.pipeline(transaction=False)
+            for i in chunk:
+                pipe.lindex(self.lines_key, i)
+            texts = await pipe.execute()
+
+            async def one(i: int, raw: bytes | None) -> None:
+                cid = L.custom_id_of(as_str(raw) or "")
+                await self._record(i, "err", L.error_line(self.bid, i, cid, code, message))
+
+            await asyncio.gather(*(one(i, raw) for i, raw in zip(chunk, texts, strict=True)))
         await self._finalize(status)
 
     async def _finalize(self, status: str) -> None:
