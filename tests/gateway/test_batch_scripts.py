@@ -49,7 +49,8 @@ def test_record_from_many_concurrent_callers(settings: Settings, keys: Keys) -> 
     wrote = asyncio.run(main())
     assert sum(wrote) == 50
     r = redis.Redis.from_url(settings.redis_url)
-    lines = [x.decode().split("-")[0] for x in r.lrange(keys.file_lines("out"), 0, -1)]
+    raw: list[bytes] = r.lrange(keys.file_lines("out"), 0, -1)  # type: ignore[assignment]
+    lines = [x.decode().split("-")[0] for x in raw]
     assert sorted(lines, key=int) == [str(i) for i in range(50)]
     assert r.hget(keys.batch("b"), "completed") == b"50"
     r.close()
