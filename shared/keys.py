@@ -27,6 +27,15 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
                        (tokenfleet.producer.gateway.auth; the plaintext key is never stored)
     P:apikeys          set of API key ids (live and revoked)
     P:apikeys:names    hash: name -> key id of every live (unrevoked) API key
+    P:file:ID          hash: one Batch API file (id, purpose, filename, bytes, created_at, kind
+                       input|output|error, batch_id for outputs) (tokenfleet.producer.gateway.
+                       batches)
+    P:file:ID:lines    list: the file's JSONL lines, one per element, without the newline
+    P:batch:ID         hash: one batch (status, endpoint, input file, counts, next_line, times)
+    P:batch:ID:done    hash: line index -> "ok" | "err": the batch's exactly-once ledger
+    P:batch:ID:lease   string: the token of the runner driving the batch (expires: PX)
+    P:batches          sorted set: batch id -> creation time (listing, newest first)
+    P:batches:active   set of the batch ids runners must drive (until they are final)
 """
 
 from __future__ import annotations
@@ -94,6 +103,43 @@ class _GatewayKeys:
     def api_key_names(self) -> str:
         """Hash: name -> id of each live API key (names are unique among live keys)."""
         return f"{self.prefix}:apikeys:names"
+
+
+class _BatchKeys:
+    """The Batch API's names (files, batches, ledgers, leases), a base of :class:`Keys`."""
+
+    __slots__ = ()
+    prefix: str
+
+    def file(self, file_id: str) -> str:
+        """Hash: one Batch API file's object."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List: the file's JSONL lines (no newlines)."""
+        return f"{self.prefix}:file:{file_id}:lines"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's object, counts and cursor."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Hash: line index -> "ok" | "err" (the exactly-once ledger)."""
+        return f"{self.prefix}:batch:{batch_id}:done"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String: the driving runner's token, with a PX expiry."""
+        return f"{self.prefix}:batch:{batch_id}:lease"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: batch id -> created_at."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set: ids of the batches runners drive (not final yet)."""
+        return f"{self.prefix}:batches:active"
 
 
 class _QueueKeys:
@@ -210,7 +256,7 @@ class _PoolKeys:
 
 
 @dataclass(frozen=True, slots=True)
-class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys):
+class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys, _BatchKeys):
     """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
     in groups, one base class per room of the layout above."""
 

@@ -1,0 +1,137 @@
+"""``BatchRunner``: drives every active batch, one lease per batch, any number of runners.
+
+Every ``poll_s`` a runner reads ``P:batches:active`` and, for each batch it does not drive yet,
+tries to take the batch's lease (``SET NX PX``; its own token). While it drives (see
+``driver``) it renews the lease every third of its lifetime; a runner that dies stops renewing,
+the lease lapses after ``lease_ms``, and the next runner to look takes the batch over and
+re-attaches its lines by request id. Two runners overlapping (a paused one whose lease lapsed)
+is harmless: the ledger script writes each line once.
+
+Run one in a process of its own with ``python -m tokenfleet.producer.gateway.batches.runner``
+(``REDIS_URL`` and ``TOKENFLEET_KEY_PREFIX`` as for every tokenfleet process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+
+import redis
+import redis.asyncio
+
+from tokenfleet.producer.async_client import AsyncClient
+from tokenfleet.producer.gateway.batches.driver import BatchDriver, DriveConfig
+from tokenfleet.producer.gateway.batches.scripts import LEASE
+from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.record import as_str
+from tokenfleet.shared.scripts.registry import acall
+from tokenfleet.shared.settings import Settings
+
+log = logging.getLogger(__name__)
+DEFAULT_LEASE_MS = 10_000
+DEFAULT_WINDOW = 64
+
+
+class BatchRunner:
+    """Drives the fleet's active batches (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        redis: redis.asyncio.Redis,
+        settings: Settings,
+        *,
+        window: int = DEFAULT_WINDOW,
+        lease_ms: int = DEFAULT_LEASE_MS,
+        poll_s: float = 0.5,
+        default_max_tokens: int = 256,
+    ) -> None:
+        if window < 1 or lease_ms < 100:
+            raise ValueError("window must be >= 1 and lease_ms >= 100")
+        self.cfg = DriveConfig(
+            client=client,
+            redis=redis,
+            keys=Keys(settings.key_prefix),
+            token=os.urandom(12).hex(),
+            lease_ms=lease_ms,
+            window=window,
+            default_max_tokens=default_max_tokens,
+        )
+        self.poll_s = poll_s
+        self.drivers: dict[str, BatchDriver] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+
+    async def run(self) -> None:
+        """Look for batches every ``poll_s``, forever (cancel the task to stop)."""
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except (redis.RedisError, TokenfleetError) as exc:
+                    log.warning("batch runner: %s; trying again", exc)
+                await asyncio.sleep(self.poll_s)
+        finally:
+            await self.aclose()
+
+    async def tick(self) -> None:
+        """Take the lease of every active batch nobody drives, and start driving it."""
+        k, r = self.cfg.keys, self.cfg.redis
+        for raw in await r.smembers(k.batches_active):
+            bid = as_str(raw) or ""
+            if bid in self._tasks:
+                continue
+            lease = k.batch_lease(bid)
+            took = await r.set(lease, self.cfg.token, nx=True, px=self.cfg.lease_ms)
+            if not took:  # ours still (a driver of ours that stopped on an error)?
+                took = (await acall(r, LEASE, [lease], [self.cfg.token, self.cfg.lease_ms]))[
+                    0
+                ] == "ok"
+            if took:
+                driver = BatchDriver(self.cfg, bid)
+                task = asyncio.get_running_loop().create_task(driver.run())
+                self.drivers[bid], self._tasks[bid] = driver, task
+                task.add_done_callback(functools.partial(self._ended, bid))
+
+    def _ended(self, bid: str, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(bid, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("batch %s: driver stopped: %r (taken up again)", bid, task.exception())
+
+    async def aclose(self) -> None:
+        """Stop driving (the leases lapse; the requests go on for whoever drives next)."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    settings = Settings.from_env()
+    async with AsyncClient.from_url(settings=settings) as client:
+        r = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+        try:
+            runner = BatchRunner(client, r, settings, window=args.window, lease_ms=args.lease_ms)
+            await runner.run()
+        finally:
+            await r.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tokenfleet.producer.gateway.batches.runner [--window N] [--lease-ms MS]``."""
+    parser = argparse.ArgumentParser(description="Drive the fleet's Batch API batches.")
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    parser.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

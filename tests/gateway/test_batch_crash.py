@@ -1,0 +1,145 @@
+"""Crashes mid-batch, with real processes: a runner SIGKILLed (a second runner takes over once
+its lease lapses) and a worker SIGKILLed (a second worker runs what it held). In both the
+output is checked line by line against the input: no loss, no duplicate."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from batch_helpers import (
+    Env,
+    chat_line,
+    check_exactly_once,
+    final,
+    upload_and_create,
+    wait_batch,
+    with_env,
+)
+from gateway_helpers import Proc, Worker
+
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"bc{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("batch-crash-logs")
+
+
+@pytest.fixture(scope="module")
+def workers(
+    redis_server: RedisServer,
+    plain_redis: redis.Redis,
+    tiny_llama_dir: Path,
+    log_dir: Path,
+    prefix: str,
+) -> Iterator[list[Worker]]:
+    ws = [
+        Worker(tiny_llama_dir, redis_server.url, prefix, f"bc-worker-{n}", log_dir)
+        for n in range(2)
+    ]
+    try:
+        yield [w.wait_ready(plain_redis) for w in ws]
+    finally:
+        for w in ws:
+            w.close()
+
+
+@pytest.fixture
+def bsettings(redis_server: RedisServer, workers: list[Worker], prefix: str) -> Settings:
+    return Settings(redis_url=redis_server.url, key_prefix=prefix)
+
+
+def test_a_runner_sigkilled_mid_batch_is_taken_over(bsettings: Settings, log_dir: Path) -> None:
+    lines = [chat_line(i, max_tokens=16) for i in range(40)]
+    env_vars = {"REDIS_URL": bsettings.redis_url, "TOKENFLEET_KEY_PREFIX": bsettings.key_prefix}
+    args = [sys.executable, "-m", "tokenfleet.producer.gateway.batches.runner"]
+    args += ["--lease-ms", "1500", "--window", "8"]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+        proc = Proc(args, env_vars, log_dir / "runner-1.log")
+        try:
+            mid = await wait_batch(env, b.id, lambda x: x.completed >= 5)
+            assert not mid.final and proc.alive(), proc.output()
+            proc.signal(signal.SIGKILL)
+            proc.proc.wait(10)
+        finally:
+            proc.close()
+        lease = env.batches._keys.batch_lease(b.id)
+        dead_token = await env.r.get(lease)
+        assert dead_token is not None  # the dead runner's lease, until it lapses
+        mid = await env.batches.get(b.id)
+        recorded = await env.r.hlen(env.batches._keys.batch_done(b.id))
+        assert mid.next_line > recorded  # it died with lines in flight: re-attached by id
+        runner = env.runner(lease_ms=1500)
+        task = asyncio.create_task(runner.run())
+        try:
+            b = await wait_batch(env, b.id, final)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert b.status == "completed" and (b.completed, b.failed) == (40, 0), b.to_dict()
+        assert runner.cfg.token.encode() != dead_token
+        out, _ = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        for x in out:
+            i = int(x["custom_id"].removeprefix("req-"))
+            assert x["response"]["request_id"] == f"{b.id}-{i}"
+            assert x["response"]["body"]["usage"]["completion_tokens"] == 16
+
+    with_env(bsettings, body)
+
+
+def test_a_worker_sigkilled_mid_batch_loses_nothing(
+    bsettings: Settings, workers: list[Worker]
+) -> None:
+    lines = [chat_line(i, max_tokens=24) for i in range(40)]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+        runner = env.runner(window=8)
+        task = asyncio.create_task(runner.run())
+        try:
+            await wait_batch(env, b.id, lambda x: x.completed >= 4)
+            held = await _running_on(env, b.id, workers[0].name)
+            workers[0].signal(signal.SIGKILL)
+            b = await wait_batch(env, b.id, final)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert b.status == "completed" and (b.completed, b.failed) == (40, 0), b.to_dict()
+        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        for rid in held:  # what the killed worker held was run again by the other one
+            record = await env.client.status(rid)
+            assert record.attempts >= 2 and record.worker != workers[0].name
+
+    with_env(bsettings, body)
+
+
+async def _running_on(env: Env, batch_id: str, worker: str) -> list[str]:
+    """Ids of the batch's requests running on ``worker``, once there is one."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + 60
+    while True:
+        b = await env.batches.get(batch_id)
+        held = []
+        for i in range(b.next_line):
+            record = await env.client.status(f"{batch_id}-{i}")
+            if record.status.value == "running" and record.worker == worker:
+                held.append(record.request_id)
+        if held:
+            return held
+        assert loop.time() < until, f"no request of the batch ran on {worker}"
+        await asyncio.sleep(0.01)

@@ -1,0 +1,265 @@
+"""The batch runner against a real worker (tiny Llama) on the session's Redis: a batch runs to
+completion and its files match its input line by line; the window bounds the batch queue;
+cancel and expiry finalize with what is done; two drivers on one batch still write each line
+once. Each test has its own key prefix (the module's worker serves all of them: one prefix)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from batch_helpers import (
+    COMPLETIONS,
+    Env,
+    chat_line,
+    check_exactly_once,
+    final,
+    upload_and_create,
+    wait_batch,
+    with_env,
+)
+from gateway_helpers import Worker
+
+from tokenfleet.producer.gateway.batches import BatchRunner
+from tokenfleet.producer.gateway.batches.driver import BatchDriver
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+
+@pytest.fixture(scope="module")
+def prefix() -> str:
+    return f"bt{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def worker(
+    redis_server: RedisServer,
+    plain_redis: redis.Redis,
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefix: str,
+) -> Iterator[Worker]:
+    log_dir = tmp_path_factory.mktemp("batch-logs")
+    w = Worker(tiny_llama_dir, redis_server.url, prefix, "batch-worker", log_dir)
+    try:
+        yield w.wait_ready(plain_redis)
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def bsettings(redis_server: RedisServer, worker: Worker, prefix: str) -> Settings:
+    return Settings(redis_url=redis_server.url, key_prefix=prefix)
+
+
+async def _with_runner(env: Env, coro: object, **kw: object) -> BatchRunner:
+    runner = env.runner(**kw)
+    task = asyncio.create_task(runner.run())
+    try:
+        await coro  # type: ignore[misc]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return runner
+
+
+def test_a_40_line_batch_completes_and_matches_its_input(bsettings: Settings) -> None:
+    lines = [chat_line(i, max_tokens=3 + i % 4) for i in range(40)]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+        runner = env.runner()
+        task = asyncio.create_task(runner.run())
+        try:
+            b = await wait_batch(env, b.id, final)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert b.status == "completed", b.to_dict()
+        d = b.to_dict()
+        assert d["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+        for name in ("in_progress_at", "finalizing_at", "completed_at"):
+            assert d[name] is not None
+        assert d["error_file_id"] is None and d["output_file_id"] is not None
+        out, _ = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        by_id = {x["custom_id"]: x for x in out}
+        for i, line in enumerate(lines):  # line by line against the input
+            got = by_id[line["custom_id"]]["response"]["body"]
+            assert got["object"] == "chat.completion" and got["model"] == "default"
+            assert got["usage"]["completion_tokens"] == line["body"]["max_tokens"]
+            assert got["choices"][0]["message"]["role"] == "assistant"
+            assert by_id[line["custom_id"]]["response"]["request_id"] == f"{b.id}-{i}"
+        fobj = await env.files.get(b.output_file_id or "")
+        assert fobj.kind == "output" and fobj.batch_id == b.id
+        assert fobj.bytes == len(await env.files.content(fobj.id))
+        assert not await env.r.sismember(env.batches._keys.batches_active, b.id)
+        assert not await env.r.exists(env.batches._keys.batch_lease(b.id))
+
+    with_env(bsettings, body)
+
+
+def test_completions_endpoint_with_an_invalid_line(bsettings: Settings) -> None:
+    lines = [
+        {
+            "custom_id": f"c-{i}",
+            "method": "POST",
+            "url": COMPLETIONS,
+            "body": {"model": "default", "prompt": f"p{i}", "max_tokens": 2, "ignore_eos": True},
+        }
+        for i in range(5)
+    ]
+    lines[2]["body"]["best_of"] = 3
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines, COMPLETIONS)
+
+        async def wait() -> None:
+            nonlocal b
+            b = await wait_batch(env, b.id, final)
+
+        await _with_runner(env, wait())
+        assert b.status == "completed" and (b.completed, b.failed) == (4, 1)
+        out, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        assert out[0]["response"]["body"]["object"] == "text_completion"
+        assert err[0]["custom_id"] == "c-2" and err[0]["error"]["code"] == "unsupported_parameter"
+
+    with_env(bsettings, body)
+
+
+def test_the_window_bounds_the_batch_queue(bsettings: Settings) -> None:
+    lines = [chat_line(i, max_tokens=2) for i in range(30)]
+    stream = Keys(bsettings.key_prefix).stream("default", Priority.BATCH)
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+        runner = env.runner(window=3)
+        task = asyncio.create_task(runner.run())
+        most = 0
+        try:
+            while not (await env.batches.get(b.id)).final:
+                most = max(most, await env.r.xlen(stream))
+                await asyncio.sleep(0.005)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert 1 <= most <= 3
+        assert runner.drivers[b.id].max_in_flight <= 3
+        await check_exactly_once(env, await env.batches.get(b.id), [x["custom_id"] for x in lines])
+
+    with_env(bsettings, body)
+
+
+def test_cancel_mid_batch(bsettings: Settings) -> None:
+    lines = [chat_line(i, max_tokens=24) for i in range(60)]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+
+        async def cancel_then_wait() -> None:
+            nonlocal b
+            await wait_batch(env, b.id, lambda x: x.completed >= 3)
+            assert (await env.batches.cancel(b.id)).status == "cancelling"
+            b = await wait_batch(env, b.id, final)
+
+        await _with_runner(env, cancel_then_wait(), window=4)
+        assert b.status == "cancelled" and b.times.get("cancelled_at")
+        assert b.completed >= 3 and b.failed >= 1 and b.completed + b.failed == 60
+        _, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        codes = {e["error"]["code"] for e in err}
+        assert "batch_cancelled" in codes and codes <= {"batch_cancelled", "cancelled"}
+        # a cancelled batch stays cancelled: cancelling it again changes nothing
+        assert (await env.batches.cancel(b.id)).status == "cancelled"
+
+    with_env(bsettings, body)
+
+
+def test_expiry_finalizes_with_partial_results(bsettings: Settings) -> None:
+    lines = [chat_line(i, max_tokens=24) for i in range(60)]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+
+        async def expire_then_wait() -> None:
+            nonlocal b
+            await wait_batch(env, b.id, lambda x: x.completed >= 3)
+            await env.r.hset(env.batches._keys.batch(b.id), "expires_at", int(time.time()) - 1)
+            b = await wait_batch(env, b.id, final)
+
+        await _with_runner(env, expire_then_wait(), window=4)
+        assert b.status == "expired" and b.times.get("expired_at")
+        _, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        assert b.completed >= 3 and "batch_expired" in {e["error"]["code"] for e in err}
+
+    with_env(bsettings, body)
+
+
+def test_two_drivers_on_one_batch_write_each_line_once(bsettings: Settings) -> None:
+    """Two drivers with the same lease token (what two runners are while one's lapsed lease
+    has not been noticed): both submit and record every line; the ledger keeps one."""
+    lines = [chat_line(i, max_tokens=3) for i in range(30)]
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+        runner = env.runner(window=8)
+        await env.r.set(env.batches._keys.batch_lease(b.id), runner.cfg.token)
+        d1, d2 = BatchDriver(runner.cfg, b.id), BatchDriver(runner.cfg, b.id)
+        await asyncio.wait_for(asyncio.gather(d1.run(), d2.run()), 120)
+        b = await env.batches.get(b.id)
+        assert b.status == "completed" and b.completed == 30
+        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+
+    with_env(bsettings, body)
+
+
+def test_two_runners_share_the_active_batches(bsettings: Settings) -> None:
+    async def body(env: Env) -> None:
+        bs = [
+            await upload_and_create(env, [chat_line(i + 100 * k, max_tokens=2) for i in range(10)])
+            for k in range(3)
+        ]
+        r1, r2 = env.runner(lease_ms=1000), env.runner(lease_ms=1000)
+        tasks = [asyncio.create_task(r.run()) for r in (r1, r2)]
+        try:
+            done = [await wait_batch(env, b.id, final) for b in bs]
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for k, b in enumerate(done):
+            assert b.status == "completed"
+            await check_exactly_once(env, b, [f"req-{i + 100 * k}" for i in range(10)])
+
+    with_env(bsettings, body)
+
+
+def test_a_batch_queue_bound_smaller_than_the_window_refuses_nothing(
+    bsettings: Settings,
+) -> None:
+    """With the batch queue bounded at 2 waiting and a window cap of 16, the runner backs off
+    on a full queue (try mode: nothing evicted, nothing dropped) and every line still runs."""
+    lines = [chat_line(i, max_tokens=2) for i in range(24)]
+
+    async def body(env: Env) -> None:
+        await env.client.set_queue_config("batch", "default", max_waiting=2)
+        try:
+            b = await upload_and_create(env, lines)
+
+            async def wait() -> None:
+                nonlocal b
+                b = await wait_batch(env, b.id, final)
+
+            runner = await _with_runner(env, wait(), window=16)
+        finally:
+            await env.client.set_queue_config("batch", "default", max_waiting=10_000)
+        assert b.status == "completed" and (b.completed, b.failed) == (24, 0)
+        assert runner.drivers[b.id].refusals >= 1  # the bound was met, and nothing was lost
+        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+
+    with_env(bsettings, body)
