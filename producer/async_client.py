@@ -90,6 +90,26 @@ class AsyncClient(ClientCore[AsyncHandle]):
         """See ``Client.submit_many``."""
         return await self._run(self._submit_many(requests))
 
+    async def submit_batch(
+        self,
+        lines: Any,
+        *,
+        endpoint: str = "/v1/chat/completions",
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> Any:
+        """See ``Client.submit_batch``; returns an ``AsyncBatchHandle``."""
+        from tokenfleet.producer.gateway.batches.handle import submit_batch  # gateway extra
+
+        return await submit_batch(
+            self,
+            self._redis,
+            lines,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+        )
+
     # -- following requests ---------------------------------------------------------------------
     async def stream(self, request_id: str, from_index: int = 0) -> AsyncIterator[Event]:
         """Events of an existing request from ``from_index`` on."""

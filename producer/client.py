@@ -111,6 +111,30 @@ class Client(ClientCore[Handle]):
         """
         return self._run(self._submit_many(requests))
 
+    def submit_batch(
+        self,
+        lines: Any,
+        *,
+        endpoint: str = "/v1/chat/completions",
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> Any:
+        """Run an OpenAI-style batch: ``lines`` is a JSONL path or an iterable of batch lines
+        (``{"custom_id", "method": "POST", "url": endpoint, "body"}``, as dicts or JSON
+        strings). Invalid lines go to its error file; the rest run at priority ``batch``, a
+        window at a time. Returns a ``BatchHandle`` (``status()``, ``wait(progress=...)``,
+        which also drives the batch, ``results()``, ``errors()``, ``cancel()``). Needs the
+        ``gateway`` extra (README, "Batches")."""
+        from tokenfleet.producer.gateway.batches.handle import submit_batch_sync  # gateway extra
+
+        return submit_batch_sync(
+            self.settings,
+            lines,
+            endpoint=endpoint,
+            completion_window=completion_window,
+            metadata=metadata,
+        )
+
     # -- following requests ---------------------------------------------------------------------
     def stream(self, request_id: str, from_index: int = 0) -> Iterator[Event]:
         """Events of an existing request from ``from_index`` on (reconnecting readers)."""

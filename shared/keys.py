@@ -22,6 +22,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:pool:NAME:members  hash: member -> JSON state (weight, held, active, lease expiry, ...)
     P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
     P:pools            set of pool names
+    P:owners           hash: file or batch id -> owning API key id (gateway with keys on)
     P:apikey:KID       hash: one gateway API key (name, SHA-256 digest of the key, priority
                        ceiling, rpm, tpm, created_at, revoked_at) and its quota buckets
                        (tokenfleet.producer.gateway.auth; the plaintext key is never stored)
@@ -140,6 +141,11 @@ class _BatchKeys:
     def batches_active(self) -> str:
         """Set: ids of the batches runners drive (not final yet)."""
         return f"{self.prefix}:batches:active"
+
+    @property
+    def owners(self) -> str:
+        """Hash: file or batch id -> the id of the API key that owns it (keys on)."""
+        return f"{self.prefix}:owners"
 
 
 class _QueueKeys:

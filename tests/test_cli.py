@@ -22,6 +22,7 @@ COMMANDS = (
     "cancel",
     "queues",
     "serve",
+    "batch",
     "keys",
     "status",
     "make-tiny-model",
@@ -29,7 +30,11 @@ COMMANDS = (
     "pool",
 )
 # Commands whose options live on their actions; each action must take --redis-url.
-ACTIONS = {"pool": ("create", "show"), "keys": ("create", "list", "revoke")}
+ACTIONS = {
+    "pool": ("create", "show"),
+    "keys": ("create", "list", "revoke"),
+    "batch": ("submit", "status", "cancel", "results", "list"),
+}
 
 
 def test_every_command_module_exists_and_registers() -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from tokenfleet.producer.commands import cancel, follow, get, keys, queues, serve, submit
+from tokenfleet.producer.commands import batch, cancel, follow, get, keys, queues, serve, submit
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
@@ -44,6 +44,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     cancel.register,
     queues.register,
     serve.register,
+    batch.register,
     keys.register,
     status.register,
     make_tiny_model.register,

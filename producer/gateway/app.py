@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfleet.producer.async_client import AsyncClient
-from tokenfleet.producer.gateway import routes_openai, routes_requests
+from tokenfleet.producer.gateway import routes_batches, routes_openai, routes_requests
 from tokenfleet.producer.gateway.auth import ApiKeyStore
+from tokenfleet.producer.gateway.batches.runner import BatchRunner
 from tokenfleet.producer.gateway.drain import DrainMeter
 from tokenfleet.producer.gateway.errors import ApiError, error_body, from_tokenfleet
 from tokenfleet.producer.gateway.gateway import Gateway
@@ -51,10 +52,17 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         store = ApiKeyStore(redis_client, settings) if gateway_settings.auth_required else None
         drain = DrainMeter(redis_client, keys)
         client = AsyncClient(redis_client, settings=settings)
-        gateway = Gateway(client, gateway_settings, key_store=store, drain=drain)
+        gateway = Gateway(client, redis_client, gateway_settings, key_store=store, drain=drain)
+        runner = BatchRunner(  # every gateway drives batches; leases share them out
+            client, redis_client, settings, default_max_tokens=gateway_settings.default_max_tokens
+        )
         app.state.gateway = gateway
         loop = asyncio.get_running_loop()
-        background = [loop.create_task(drain.run()), loop.create_task(gateway.keep_models_fresh())]
+        background = [
+            loop.create_task(drain.run()),
+            loop.create_task(gateway.keep_models_fresh()),
+            loop.create_task(runner.run()),
+        ]
         try:
             yield
         finally:
@@ -73,6 +81,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
     )
     app.include_router(routes_openai.router)
     app.include_router(routes_requests.router)
+    app.include_router(routes_batches.router)
     _install_error_handlers(app)
 
     @app.get("/metrics", include_in_schema=False)

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.auth import ApiKey, ApiKeyStore, AuthError
+from tokenfleet.producer.gateway.batches.files import FileStore
+from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.producer.gateway.drain import DrainMeter
 from tokenfleet.producer.gateway.errors import ApiError, from_tokenfleet
 from tokenfleet.producer.gateway.identity import make_request_id
@@ -30,6 +33,7 @@ from tokenfleet.producer.gateway.openai_api import Submission
 from tokenfleet.producer.gateway.responses import Framing, used_tokens
 from tokenfleet.producer.gateway.settings import GatewaySettings
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent
 
@@ -62,14 +66,21 @@ class Gateway:
     def __init__(
         self,
         client: AsyncClient,
+        client_redis: redis.asyncio.Redis,
         settings: GatewaySettings,
         *,
         key_store: ApiKeyStore | None,
         drain: DrainMeter,
     ) -> None:
         self.client = client
+        self.client_redis = client_redis
+        self.keys = Keys(client.settings.key_prefix)
         self.settings = settings
         self.key_store = key_store
+        self.files = FileStore(client_redis, client.settings, max_bytes=settings.max_file_bytes)
+        self.batches = BatchStore(
+            client_redis, client.settings, default_max_tokens=settings.default_max_tokens
+        )
         self.drain = drain
         self.metrics = GatewayMetrics()
         self._models: tuple[float, dict[str, Any]] = (0.0, {})

@@ -1,0 +1,188 @@
+"""A batch through the Batch API against the same requests through ``submit_many``, and
+interactive TTFT while a batch runs, side by side on one fleet in one run.
+
+One private redis-server and one ``tokenfleet worker --threads 1`` (SmolLM2-135M-Instruct by
+default). Sides, alternating which goes first each round:
+
+* ``submit_many``: the batch's lines as requests at priority ``batch``, all at once, then every
+  result awaited; lines/s = lines / wall time.
+* ``batch``: ``submit_batch`` (upload + create) then ``wait()``, which drives it with an
+  in-process runner (a window of lines in the queue at a time); lines/s the same way.
+
+Then TTFT of interactive requests (priority ``normal``, one at a time, ``--ttft-requests``):
+on the idle fleet, and while a batch of the same size runs; p50 of each and the ratio.
+
+    .venv/bin/python benchmarks/bench_batches.py                       # SmolLM2, 1,000 lines
+    .venv/bin/python benchmarks/bench_batches.py --model tiny --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import redis
+import redis.asyncio
+
+from tokenfleet.producer import AsyncClient
+from tokenfleet.producer.gateway.batches.handle import submit_batch
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import percentile
+
+TOPICS = ["Redis", "queues", "batching", "caches", "streams", "workers", "GPUs", "tokens"]
+
+
+def lines(n: int, max_tokens: int) -> list[dict]:
+    return [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "default",
+                "messages": [{"role": "user", "content": f"One fact about {TOPICS[i % 8]} #{i}."}],
+                "max_tokens": max_tokens,
+                "temperature": 0,
+            },
+        }
+        for i in range(n)
+    ]
+
+
+async def via_submit_many(client: AsyncClient, batch: list[dict]) -> float:
+    t0 = time.perf_counter()
+    reqs = [{**line["body"], "priority": "batch"} for line in batch]
+    handles = await client.submit_many(reqs)
+    for h in handles:
+        assert not isinstance(h, Exception), h
+    await asyncio.gather(*(h.result() for h in handles))  # type: ignore[union-attr]
+    return len(batch) / (time.perf_counter() - t0)
+
+
+async def via_batch(client: AsyncClient, r: redis.asyncio.Redis, batch: list[dict]) -> float:
+    t0 = time.perf_counter()
+    handle = await submit_batch(client, r, batch)
+    final = await handle.wait(poll_s=0.1)
+    assert final.status == "completed" and final.completed == len(batch), final
+    return len(batch) / (time.perf_counter() - t0)
+
+
+async def ttft(client: AsyncClient, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        h = await client.submit(f"Quick question {i}: what is Redis?", max_tokens=2, temperature=0)
+        async for _ in h.stream():
+            out.append((time.perf_counter() - t0) * 1000)
+            break
+        h.close()
+        await h.result()
+    return out
+
+
+async def measure(args: argparse.Namespace, url: str, prefix: str) -> None:
+    settings = Settings(redis_url=url, key_prefix=prefix)
+    r = redis.asyncio.Redis.from_url(url)
+    async with AsyncClient(r, settings=settings) as client:
+        batch = lines(args.lines, args.max_tokens)
+        rates: dict[str, list[float]] = {"submit_many": [], "batch": []}
+        for rnd in range(args.rounds):
+            order = ["submit_many", "batch"] if rnd % 2 == 0 else ["batch", "submit_many"]
+            for side in order:
+                rate = await (
+                    via_submit_many(client, batch)
+                    if side == "submit_many"
+                    else via_batch(client, r, batch)
+                )
+                rates[side].append(rate)
+            print(
+                f"round {rnd + 1}: lines/s submit_many {rates['submit_many'][-1]:.1f} "
+                f"batch {rates['batch'][-1]:.1f}",
+                flush=True,
+            )
+        idle = await ttft(client, args.ttft_requests)
+        handle = await submit_batch(client, r, batch)
+        runner = asyncio.get_running_loop().create_task(handle.wait(poll_s=0.2))
+        while (await handle.status()).completed < 8:  # the batch is running
+            await asyncio.sleep(0.05)
+        busy = await ttft(client, args.ttft_requests)
+        await handle.cancel()
+        await runner
+    await r.aclose()
+    ratios = [b / s for b, s in zip(rates["batch"], rates["submit_many"], strict=True)]
+    print()
+    print(f"model {args.model}; {args.lines} lines of {args.max_tokens} tokens; worker 1 thread")
+    print(f"{'lines/s submit_many (median)':<40}{statistics.median(rates['submit_many']):>10.1f}")
+    print(f"{'lines/s batch (median)':<40}{statistics.median(rates['batch']):>10.1f}")
+    print(
+        f"{'batch ÷ submit_many (per round)':<40}{statistics.median(ratios):>10.3f}  "
+        + " ".join(f"{x:.3f}" for x in ratios)
+    )
+    p_idle, p_busy = percentile(idle, 50), percentile(busy, 50)
+    print(
+        f"{'interactive TTFT p50 idle / during batch':<40}{p_idle:>10.1f}{p_busy:>10.1f} ms"
+        f"  ratio {p_busy / p_idle:.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--lines", type=int, default=1000)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ttft-requests", type=int, default=20)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-batches-"))
+    model = args.model
+    if model == "tiny":
+        from tokenfleet.worker.devtools.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(tmp / "tiny"))
+    prefix = f"benchb{uuid.uuid4().hex[:6]}"
+    with RedisServer() as server:
+        env = {**os.environ, "REDIS_URL": server.url, "TOKENFLEET_KEY_PREFIX": prefix}
+        log = open(tmp / "worker.log", "wb")  # noqa: SIM115
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tokenfleet.worker.cli",
+                "worker",
+                "--model",
+                model,
+                "--threads",
+                "1",
+                "--name",
+                "bench-w",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            client = redis.Redis.from_url(server.url)
+            deadline = time.monotonic() + 300
+            while not client.exists(f"{prefix}:worker:bench-w"):
+                if time.monotonic() > deadline or worker.poll() is not None:
+                    raise SystemExit((tmp / "worker.log").read_text()[-3000:])
+                time.sleep(0.1)
+            asyncio.run(measure(args, server.url, prefix))
+        finally:
+            worker.terminate()
+            worker.wait(60)
+
+
+if __name__ == "__main__":
+    main()
