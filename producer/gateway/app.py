@@ -54,7 +54,12 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         client = AsyncClient(redis_client, settings=settings)
         gateway = Gateway(client, redis_client, gateway_settings, key_store=store, drain=drain)
         runner = BatchRunner(  # every gateway drives batches; leases share them out
-            client, redis_client, settings, default_max_tokens=gateway_settings.default_max_tokens
+            client,
+            redis_client,
+            settings,
+            window=gateway_settings.batch_window,
+            lease_ms=gateway_settings.batch_lease_ms,
+            default_max_tokens=gateway_settings.default_max_tokens,
         )
         app.state.gateway = gateway
         loop = asyncio.get_running_loop()

@@ -34,6 +34,9 @@ class GatewaySettings:
         models_ttl_s: how often each process re-reads the fleet's model list (live workers,
             declarations) in the background; requests check models against that copy.
         default_max_tokens: ``max_tokens`` when a request gives none.
+        batch_window: the most lines of one batch this process keeps in the fleet at once.
+        batch_lease_ms: how long a batch this process drives stays its own without a renewal
+            (another gateway takes a batch over this long after its driver died).
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +48,8 @@ class GatewaySettings:
     submit_wait_s: float = 10.0
     models_ttl_s: float = 1.0
     default_max_tokens: int = 256
+    batch_window: int = 64
+    batch_lease_ms: int = 10_000
 
     def __post_init__(self) -> None:
         if self.auth not in ("off", "required"):
@@ -55,7 +60,13 @@ class GatewaySettings:
             )
         if not 0 < self.port < 65536:
             raise SettingsError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_file_bytes", "default_max_tokens"):
+        for name in (
+            "max_body_bytes",
+            "max_file_bytes",
+            "default_max_tokens",
+            "batch_window",
+            "batch_lease_ms",
+        ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("submit_wait_s", "models_ttl_s"):

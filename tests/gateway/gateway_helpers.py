@@ -78,14 +78,20 @@ class Gateway(Proc):
     """``tokenfleet serve`` on a free port."""
 
     def __init__(
-        self, redis_url: str, prefix: str, log_dir: Path, *extra: str, name: str = "gateway"
+        self,
+        redis_url: str,
+        prefix: str,
+        log_dir: Path,
+        *extra: str,
+        name: str = "gateway",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(self.port)]
         args += ["--log-level", "warning", *extra]
-        env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix}
-        super().__init__(args, env, log_dir / f"{name}.log")
+        full_env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
+        super().__init__(args, full_env, log_dir / f"{name}.log")
 
     def wait_ready(self) -> Gateway:
         def ready() -> bool:
@@ -167,10 +173,11 @@ def start_fleet(
     log_dir: Path,
     gateway_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
+    gateway_env: dict[str, str] | None = None,
 ) -> Fleet:
     prefix = f"gw{uuid.uuid4().hex[:8]}"
     worker = Worker(model_dir, redis_server.url, prefix, "gw-worker", log_dir, *worker_args)
-    gateway = Gateway(redis_server.url, prefix, log_dir, *gateway_args)
+    gateway = Gateway(redis_server.url, prefix, log_dir, *gateway_args, env=gateway_env)
     try:
         worker.wait_ready(r)
         gateway.wait_ready()

@@ -1,0 +1,212 @@
+"""The Batch API as a user meets it: the official ``openai`` SDK (``files.create``,
+``batches.create/retrieve/list/cancel``, ``files.content``) against real gateway processes,
+workers and Redis; a gateway SIGKILLed mid-batch (another takes the batch over, no line lost
+or written twice); cancel mid-batch; mixed valid and invalid lines; the same from Python and
+the CLI."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import redis
+from gateway_helpers import Fleet, Gateway, module_fleet, start_fleet, wait_for
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.cli import main
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+pytestmark = pytest.mark.slow
+
+LEASE = {"TOKENFLEET_GATEWAY_BATCH_LEASE_MS": "1500", "TOKENFLEET_GATEWAY_BATCH_WINDOW": "8"}
+
+
+@pytest.fixture(scope="module")
+def bfleet(
+    redis_server: RedisServer,
+    plain_redis: redis.Redis,
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Fleet]:
+    log_dir = tmp_path_factory.mktemp("gateway-batch-logs")
+    yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)
+
+
+def chat_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
+    return {
+        "custom_id": f"c-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "default",
+            "messages": [{"role": "user", "content": f"line {i}"}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+        },
+    }
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+def sdk_for(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+
+def final(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 180) -> Any:
+    return wait_for(
+        lambda: (
+            (b := sdk.batches.retrieve(batch_id)).status
+            in ("completed", "failed", "expired", "cancelled")
+            and b
+        ),
+        f"batch {batch_id} to end",
+        timeout_s,
+    )
+
+
+def completed(sdk: openai.OpenAI, batch_id: str) -> int:
+    counts = sdk.batches.retrieve(batch_id).request_counts
+    return counts.completed if counts is not None else 0
+
+
+def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if not file_id:
+        return []
+    return [json.loads(x) for x in sdk.files.content(file_id).text.splitlines() if x]
+
+
+def check_exactly_once(out: list[dict], err: list[dict], custom_ids: list[str]) -> None:
+    seen = [r["custom_id"] for r in out + err]
+    assert sorted(seen) == sorted(custom_ids)  # every line once: none lost, none twice
+    for row in out:
+        assert row["response"]["status_code"] == 200
+        body = row["response"]["body"]
+        assert body["object"] == "chat.completion"
+        assert body["usage"]["completion_tokens"] == 6
+
+
+def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:
+    sdk = sdk_for(bfleet.base_url)
+    rows: list[Any] = [chat_line(i) for i in range(12)]
+    rows += [
+        "{not json",
+        {**chat_line(0)},  # duplicate custom_id c-0
+        {**chat_line(99), "url": "/v1/completions"},  # another endpoint
+        {**chat_line(98), "body": {"model": "default", "messages": [], "max_tokens": 2}},
+    ]
+    upload = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes > 0
+    assert sdk.files.retrieve(upload.id).id == upload.id
+    batch = sdk.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
+    assert batch.status in ("validating", "in_progress")
+    done = final(sdk, batch.id)
+    assert done.status == "completed"
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (16, 12)
+    assert done.request_counts.failed == 4
+    out, err = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert len(out) == 12 and len(err) == 4
+    check_exactly_once(out, [], [f"c-{i}" for i in range(12)])
+    assert all(e["error"]["code"] and e["error"]["message"] for e in err)
+    assert done.metadata == {"job": "nightly"}
+    listed = [b.id for b in sdk.batches.list(limit=100)]
+    assert batch.id in listed
+    sdk.files.delete(upload.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(upload.id)
+
+
+def test_cancel_mid_batch(bfleet: Fleet) -> None:
+    sdk = sdk_for(bfleet.base_url)
+    rows = [chat_line(i, max_tokens=300) for i in range(40)]
+    upload = sdk.files.create(file=("c.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    wait_for(
+        lambda: completed(sdk, batch.id) >= 1,
+        "a first line to finish",
+    )
+    assert sdk.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = final(sdk, batch.id)
+    assert done.status == "cancelled"
+    counts = done.request_counts
+    assert counts is not None and counts.completed + counts.failed == 40
+    assert counts.completed < 40
+    out, err = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"c-{i}" for i in range(40))
+
+
+def test_a_gateway_killed_mid_batch_loses_nothing(
+    redis_server: RedisServer, plain_redis: redis.Redis, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A fleet of its own whose one gateway drives the batch; SIGKILLed mid-batch, a second
+    gateway takes the batch over when the lease lapses: every line once."""
+    fleet = start_fleet(redis_server, plain_redis, tiny_llama_dir, tmp_path, gateway_env=LEASE)
+    second = None
+    try:
+        sdk = sdk_for(fleet.base_url)
+        rows = [chat_line(i) for i in range(40)]
+        upload = sdk.files.create(file=("k.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        wait_for(
+            lambda: completed(sdk, batch.id) >= 3,
+            "the batch to be under way",
+        )
+        assert plain_redis.exists(fleet.keys.batch_lease(batch.id))  # the gateway drives it
+        fleet.gateway.signal(signal.SIGKILL)
+        fleet.gateway.proc.wait(10)
+        second = Gateway(fleet.redis_url, fleet.prefix, tmp_path, name="b2", env=LEASE)
+        second.wait_ready()
+        sdk2 = sdk_for(second.url + "/v1")
+        done = final(sdk2, batch.id)
+        out, err = lines_of(sdk2, done.output_file_id), lines_of(sdk2, done.error_file_id)
+    finally:
+        fleet.gateway.close()
+        fleet.worker.close()
+        if second is not None:
+            second.close()
+    assert done.status == "completed"
+    assert err == []
+    check_exactly_once(out, err, [f"c-{i}" for i in range(40)])
+
+
+def test_the_same_from_python_and_the_cli(bfleet: Fleet, tmp_path: Path) -> None:
+    settings = Settings(redis_url=bfleet.redis_url, key_prefix=bfleet.prefix)
+    with Client.from_url(settings=settings) as client:
+        handle = client.submit_batch([chat_line(i) for i in range(6)])
+        seen: list[int] = []
+        batch = handle.wait(progress=lambda b: seen.append(b.completed))
+        assert batch.status == "completed" and batch.completed == 6
+        assert seen == sorted(seen) and seen[-1] == 6
+        assert sorted(r["custom_id"] for r in handle.results()) == [f"c-{i}" for i in range(6)]
+        assert handle.errors() == []
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([chat_line(i) for i in range(5)]))
+    out = tmp_path / "out.jsonl"
+    cli = ["--redis-url", bfleet.redis_url]
+    import os
+
+    os.environ["TOKENFLEET_KEY_PREFIX"] = bfleet.prefix
+    try:
+        assert main(["batch", "submit", str(path), "--wait", "-o", str(out), *cli]) == 0
+    finally:
+        os.environ.pop("TOKENFLEET_KEY_PREFIX", None)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == [f"c-{i}" for i in range(5)]
