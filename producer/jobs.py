@@ -79,3 +79,23 @@ def generate(
             handle = client.submit(prompt, **params)
         with handle:
             return handle.result(timeout=result_timeout).to_dict()
+
+
+def run_batch(
+    path: str,
+    *,
+    endpoint: str = "/v1/chat/completions",
+    completion_window: str = "24h",
+    redis_url: str | None = None,
+) -> dict[str, Any]:
+    """Run the OpenAI-style batch in the JSONL file ``path`` (README, "Batches") and wait for
+    it, driving it meanwhile; returns the final batch object (status, ``request_counts``,
+    ``output_file_id``, ``error_file_id``). A cron config schedules it like ``generate``; a
+    batch that ends other than ``completed`` fails the job. Needs the ``gateway`` extra."""
+    with _client(redis_url) as client:
+        handle = client.submit_batch(path, endpoint=endpoint, completion_window=completion_window)
+    batch = handle.wait()
+    out: dict[str, Any] = batch.to_dict()
+    if batch.status != "completed":
+        raise RuntimeError(f"batch {batch.id} ended {batch.status}: {out.get('errors')}")
+    return out

@@ -19,6 +19,7 @@ import redis
 from gateway_helpers import Fleet, Gateway, module_fleet, start_fleet, wait_for
 
 from tokenfleet.producer import Client
+from tokenfleet.producer.jobs import run_batch
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -187,7 +188,9 @@ def test_a_gateway_killed_mid_batch_loses_nothing(
     check_exactly_once(out, err, [f"c-{i}" for i in range(40)])
 
 
-def test_the_same_from_python_and_the_cli(bfleet: Fleet, tmp_path: Path) -> None:
+def test_the_same_from_python_and_the_cli(
+    bfleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = Settings(redis_url=bfleet.redis_url, key_prefix=bfleet.prefix)
     with Client.from_url(settings=settings) as client:
         handle = client.submit_batch([chat_line(i) for i in range(6)])
@@ -201,12 +204,11 @@ def test_the_same_from_python_and_the_cli(bfleet: Fleet, tmp_path: Path) -> None
     path.write_bytes(jsonl([chat_line(i) for i in range(5)]))
     out = tmp_path / "out.jsonl"
     cli = ["--redis-url", bfleet.redis_url]
-    import os
-
-    os.environ["TOKENFLEET_KEY_PREFIX"] = bfleet.prefix
-    try:
-        assert main(["batch", "submit", str(path), "--wait", "-o", str(out), *cli]) == 0
-    finally:
-        os.environ.pop("TOKENFLEET_KEY_PREFIX", None)
+    monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", bfleet.prefix)  # the CLI and the job read it
+    assert main(["batch", "submit", str(path), "--wait", "-o", str(out), *cli]) == 0
+    # what a cron config schedules as an rq job (here called directly)
+    finished = run_batch(str(path), redis_url=bfleet.redis_url)
+    assert finished["status"] == "completed"
+    assert finished["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in rows) == [f"c-{i}" for i in range(5)]
