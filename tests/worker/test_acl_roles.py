@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis
 from worker_helpers import WorkerProc, make_intake, wait_for
@@ -179,6 +180,38 @@ def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
         rid = resp.json()["id"]
         got = httpx.get(f"{base}/v1/requests/{rid}", headers={"Authorization": f"Bearer {secret}"})
         assert got.json()["status"] == "done"
+        # a batch, uploaded, driven by the gateway's runner and read back, as tf-gateway
+        auth = {"Authorization": f"Bearer {secret}"}
+        line = {
+            "custom_id": "acl-1",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "default", "prompt": "Hi", "max_tokens": 2},
+        }
+        upload = httpx.post(
+            base + "/v1/files",
+            headers=auth,
+            files={"file": ("b.jsonl", orjson.dumps(line) + b"\n")},
+            data={"purpose": "batch"},
+        )
+        assert upload.status_code == 200, upload.text
+        made = httpx.post(
+            base + "/v1/batches",
+            headers=auth,
+            json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions"},
+        )
+        assert made.status_code == 200, made.text
+        bid = made.json()["id"]
+        final = wait_for(
+            lambda: (
+                (b := httpx.get(f"{base}/v1/batches/{bid}", headers=auth).json())["status"]
+                == "completed"
+                and b
+            ),
+            "the batch to complete",
+        )
+        content = httpx.get(f"{base}/v1/files/{final['output_file_id']}/content", headers=auth)
+        assert orjson.loads(content.content.splitlines()[0])["custom_id"] == "acl-1"
         assert _acl_denials(rr, USERS) == []
     finally:
         gateway.terminate()
