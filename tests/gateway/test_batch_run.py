@@ -263,3 +263,35 @@ def test_a_batch_queue_bound_smaller_than_the_window_refuses_nothing(
         await check_exactly_once(env, b, [x["custom_id"] for x in lines])
 
     with_env(bsettings, body)
+
+
+def test_a_record_lost_to_a_redis_error_is_recorded_again(
+    bsettings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line whose end could not be recorded (Redis dropped the connection under that one
+    call, while the driver's own loop carried on) is followed again and recorded once; the
+    batch does not wait for it until its completion window expires."""
+    lines = [chat_line(i, max_tokens=3) for i in range(6)]
+    real = BatchDriver._record
+    failed: list[int] = []
+
+    async def flaky(self: BatchDriver, i: int, kind: str, line: str) -> bool:
+        if not failed:  # the first line to end: its record is lost to a dropped connection
+            failed.append(i)
+            raise redis.ConnectionError("connection dropped under the record")
+        return await real(self, i, kind, line)
+
+    monkeypatch.setattr(BatchDriver, "_record", flaky)
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+
+        async def wait() -> None:
+            nonlocal b
+            b = await wait_batch(env, b.id, final, timeout_s=60)
+
+        await _with_runner(env, wait(), lease_ms=1000)
+        assert failed and b.status == "completed" and (b.completed, b.failed) == (6, 0)
+        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+
+    with_env(bsettings, body)

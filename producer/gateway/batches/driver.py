@@ -16,7 +16,9 @@ Order of writes, which is what makes a crash harmless:
    still without an entry an error line (``batch_cancelled`` / ``batch_expired``), then finalize.
 
 On start a driver re-submits every line below ``next_line`` without a ledger entry (what a
-runner that died had in flight).
+runner that died had in flight). A line whose follow task ended on an error (Redis dropped the
+connection under its record) is such a line too: the driver stops on that error, and its runner
+re-takes the batch (the lease is still its own) and re-attaches the line the same way.
 
 The window ``W`` (lines of this batch submitted and not yet recorded) starts at 8 and is capped
 at the runner's ``window``. Every ``adapt_s`` it doubles when the batch queue has fewer than
@@ -89,6 +91,7 @@ class BatchDriver:
         self._renewed = 0.0
         self._adapted = 0.0
         self.model = ""  # the model of the lines (W adapts to its batch queue)
+        self.failure: BaseException | None = None  # a follow task's error (see ``_forget``)
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -117,6 +120,8 @@ class BatchDriver:
             if i not in done:
                 await self._start(i, await self.cfg.redis.lindex(self.lines_key, i))
         while True:
+            if self.failure is not None:  # stop: the runner re-takes us, re-attaching the line
+                raise self.failure
             await self._renew()
             b = await self._read()
             if b.status == "finalizing":  # a runner died while finalizing: finish it
@@ -253,8 +258,10 @@ class BatchDriver:
         self.max_in_flight = max(self.max_in_flight, len(self.tasks))
         task.add_done_callback(functools.partial(self._forget, i))
 
-    def _forget(self, i: int, _task: asyncio.Task[None]) -> None:
+    def _forget(self, i: int, task: asyncio.Task[None]) -> None:
         self.tasks.pop(i, None)
+        if not task.cancelled() and task.exception() is not None and self.failure is None:
+            self.failure = task.exception()  # line i has no ledger entry and nobody follows it
 
     async def _follow(
         self, i: int, custom_id: str | None, framing: Framing, handle: AsyncHandle
