@@ -16,6 +16,15 @@ from typing import Any
 import openai
 import pytest
 import redis
+from batch_helpers import (
+    chat_line,
+    check_exactly_once,
+    completed,
+    final,
+    jsonl,
+    lines_of,
+    sdk_for,
+)
 from gateway_helpers import Fleet, Gateway, module_fleet, start_fleet, wait_for
 
 from tokenfleet.producer import Client
@@ -38,61 +47,6 @@ def bfleet(
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-batch-logs")
     yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)
-
-
-def chat_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
-    return {
-        "custom_id": f"c-{i}",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "default",
-            "messages": [{"role": "user", "content": f"line {i}"}],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-        },
-    }
-
-
-def jsonl(rows: list[Any]) -> bytes:
-    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
-
-
-def sdk_for(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
-
-
-def final(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 180) -> Any:
-    return wait_for(
-        lambda: (
-            (b := sdk.batches.retrieve(batch_id)).status
-            in ("completed", "failed", "expired", "cancelled")
-            and b
-        ),
-        f"batch {batch_id} to end",
-        timeout_s,
-    )
-
-
-def completed(sdk: openai.OpenAI, batch_id: str) -> int:
-    counts = sdk.batches.retrieve(batch_id).request_counts
-    return counts.completed if counts is not None else 0
-
-
-def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if not file_id:
-        return []
-    return [json.loads(x) for x in sdk.files.content(file_id).text.splitlines() if x]
-
-
-def check_exactly_once(out: list[dict], err: list[dict], custom_ids: list[str]) -> None:
-    seen = [r["custom_id"] for r in out + err]
-    assert sorted(seen) == sorted(custom_ids)  # every line once: none lost, none twice
-    for row in out:
-        assert row["response"]["status_code"] == 200
-        body = row["response"]["body"]
-        assert body["object"] == "chat.completion"
-        assert body["usage"]["completion_tokens"] == 6
 
 
 def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:
@@ -212,3 +166,27 @@ def test_the_same_from_python_and_the_cli(
     assert finished["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in rows) == [f"c-{i}" for i in range(5)]
+
+
+def test_an_oversized_upload_is_413_and_stores_nothing(bfleet: Fleet) -> None:
+    small = Gateway(
+        bfleet.redis_url,
+        bfleet.prefix,
+        bfleet.log_dir,
+        name="small-files",
+        env={"TOKENFLEET_GATEWAY_MAX_FILE_BYTES": "4000"},
+    )
+    try:
+        small.wait_ready()
+        sdk = sdk_for(small.url + "/v1")
+        before = set(bfleet.r.scan_iter(match=f"{bfleet.prefix}:file:*"))
+        big = jsonl([chat_line(i) for i in range(100)])
+        assert len(big) > 4000
+        with pytest.raises(openai.APIStatusError) as info:
+            sdk.files.create(file=("big.jsonl", io.BytesIO(big)), purpose="batch")
+        assert info.value.status_code == 413
+        assert set(bfleet.r.scan_iter(match=f"{bfleet.prefix}:file:*")) == before
+        ok = sdk.files.create(file=("ok.jsonl", io.BytesIO(jsonl([chat_line(1)]))), purpose="batch")
+        assert ok.bytes > 0
+    finally:
+        small.close()

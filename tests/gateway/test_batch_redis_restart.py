@@ -24,8 +24,8 @@ from typing import Any
 import openai
 import pytest
 import redis
+from batch_helpers import chat_line, jsonl, lines_of, sdk_for
 from gateway_helpers import Gateway, Worker, wait_for
-from test_batch_http import chat_line, jsonl, lines_of, sdk_for
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.worker.devtools.local_redis import RedisServer
