@@ -1,65 +1,121 @@
-"""What the batch tests share: building batch lines and files, reading batches back through
-the official SDK, and the exactly-once check."""
+"""Helpers for the Batch API core tests: an asyncio environment (Redis, client, stores), input
+lines, and checks of a finished batch's files against its input, line by line."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
-import openai
-from gateway_helpers import wait_for
+import orjson
+import redis.asyncio
+
+from tokenfleet.producer.async_client import AsyncClient
+from tokenfleet.producer.gateway.batches import BatchObject, BatchRunner, BatchStore, FileStore
+from tokenfleet.shared.settings import Settings
+
+T = TypeVar("T")
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 
 
-def chat_line(i: int, max_tokens: int = 6) -> dict[str, Any]:
-    return {
-        "custom_id": f"c-{i}",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "default",
-            "messages": [{"role": "user", "content": f"line {i}"}],
-            "max_tokens": max_tokens,
-            "ignore_eos": True,
-        },
+@dataclass
+class Env:
+    """What a batch test talks to (one event loop)."""
+
+    settings: Settings
+    r: redis.asyncio.Redis
+    client: AsyncClient
+    files: FileStore
+    batches: BatchStore
+
+    def runner(self, **kw: Any) -> BatchRunner:
+        return BatchRunner(self.client, self.r, self.settings, **kw)
+
+
+def with_env(settings: Settings, body: Callable[[Env], Awaitable[T]]) -> T:
+    """Run ``body(env)`` in a fresh event loop, closing everything after."""
+
+    async def main() -> T:
+        r = redis.asyncio.Redis.from_url(settings.redis_url)
+        client = AsyncClient(r, settings=settings)
+        try:
+            env = Env(settings, r, client, FileStore(r, settings), BatchStore(r, settings))
+            return await body(env)
+        finally:
+            await client.aclose()
+            await r.aclose()
+
+    return asyncio.run(main())
+
+
+def chat_line(i: int, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": f"line {i}: say something"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
     }
+    return {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": body}
 
 
-def jsonl(rows: list[Any]) -> bytes:
-    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+def jsonl(objs: list[Any]) -> bytes:
+    return b"".join(orjson.dumps(o) + b"\n" for o in objs)
 
 
-def sdk_for(base_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+async def upload_and_create(env: Env, objs: list[Any], endpoint: str = CHAT) -> BatchObject:
+    f = await env.files.create("batch", "in.jsonl", jsonl(objs))
+    return await env.batches.create(f.id, endpoint, "24h", {"test": "yes"})
 
 
-def final(sdk: openai.OpenAI, batch_id: str, timeout_s: float = 180) -> Any:
-    return wait_for(
-        lambda: (
-            (b := sdk.batches.retrieve(batch_id)).status
-            in ("completed", "failed", "expired", "cancelled")
-            and b
-        ),
-        f"batch {batch_id} to end",
-        timeout_s,
-    )
+async def wait_batch(
+    env: Env, batch_id: str, done: Callable[[BatchObject], bool], timeout_s: float = 120.0
+) -> BatchObject:
+    """Poll the batch until ``done(batch)``; AssertionError after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while True:
+        b = await env.batches.get(batch_id)
+        if done(b):
+            return b
+        if loop.time() > until:
+            raise AssertionError(f"batch {batch_id} stuck: {b.to_dict()}")
+        await asyncio.sleep(0.05)
 
 
-def completed(sdk: openai.OpenAI, batch_id: str) -> int:
-    counts = sdk.batches.retrieve(batch_id).request_counts
-    return counts.completed if counts is not None else 0
+def final(b: BatchObject) -> bool:
+    return b.final
 
 
-def lines_of(sdk: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
-    if not file_id:
+async def file_lines(env: Env, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
         return []
-    return [json.loads(x) for x in sdk.files.content(file_id).text.splitlines() if x]
+    return [orjson.loads(x) for x in (await env.files.content(file_id)).splitlines()]
 
 
-def check_exactly_once(out: list[dict], err: list[dict], custom_ids: list[str]) -> None:
-    seen = [r["custom_id"] for r in out + err]
-    assert sorted(seen) == sorted(custom_ids)  # every line once: none lost, none twice
-    for row in out:
-        assert row["response"]["status_code"] == 200
-        body = row["response"]["body"]
-        assert body["object"] == "chat.completion"
-        assert body["usage"]["completion_tokens"] == 6
+async def check_exactly_once(
+    env: Env, b: BatchObject, custom_ids: list[str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every custom_id in exactly one line of the two files; the counts agree; the output
+    bodies are OpenAI objects. Returns (output lines, error lines)."""
+    out = await file_lines(env, b.output_file_id)
+    err = await file_lines(env, b.error_file_id)
+    seen = [x["custom_id"] for x in out + err]
+    assert sorted(seen) == sorted(custom_ids), "a line lost or written twice"
+    assert b.completed == len(out) and b.failed == len(err) and b.total == len(custom_ids)
+    ledger = await env.r.hgetall(env.batches._keys.batch_done(b.id))
+    assert len(ledger) == len(custom_ids)
+    for x in out:
+        assert x["id"].startswith("batch_req_") and x["error"] is None
+        resp = x["response"]
+        assert resp["status_code"] == 200
+        assert resp["request_id"].startswith(b.id + "-")
+        body = resp["body"]
+        assert body["object"] in ("chat.completion", "text_completion")
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+        assert body["usage"]["completion_tokens"] >= 1
+    for x in err:
+        assert x["error"]["code"] and x["error"]["message"]
+    return out, err

@@ -16,7 +16,7 @@ from typing import Any
 import openai
 import pytest
 import redis
-from batch_helpers import (
+from batch_http_helpers import (
     chat_line,
     check_exactly_once,
     completed,

@@ -24,7 +24,7 @@ from typing import Any
 import openai
 import pytest
 import redis
-from batch_helpers import chat_line, jsonl, lines_of, sdk_for
+from batch_http_helpers import chat_line, jsonl, lines_of, sdk_for
 from gateway_helpers import Gateway, Worker, wait_for
 
 from tokenfleet.shared.keys import Keys
