@@ -1,8 +1,8 @@
 """A batch through the Batch API against the same requests through ``submit_many``, and
 interactive TTFT while a batch runs, side by side on one fleet in one run.
 
-One private redis-server and one ``tokenfleet worker --threads 1`` (SmolLM2-135M-Instruct by
-default). Sides, alternating which goes first each round:
+One private redis-server and one ``tokenfleet worker --threads 1`` started by ``LocalFleet``
+(SmolLM2-135M-Instruct by default). Sides, alternating which goes first each round:
 
 * ``submit_many``: the batch's lines as requests at priority ``batch``, all at once, then every
   result awaited; lines/s = lines / wall time.
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +33,7 @@ import redis.asyncio
 from tokenfleet.producer import AsyncClient
 from tokenfleet.producer.gateway.batches.handle import submit_batch
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -152,36 +151,11 @@ def main() -> None:
         model = str(make_tiny_model(tmp / "tiny"))
     prefix = f"benchb{uuid.uuid4().hex[:6]}"
     with RedisServer() as server:
-        env = {**os.environ, "REDIS_URL": server.url, "TOKENFLEET_KEY_PREFIX": prefix}
-        log = open(tmp / "worker.log", "wb")  # noqa: SIM115
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tokenfleet.worker.cli",
-                "worker",
-                "--model",
-                model,
-                "--threads",
-                "1",
-                "--name",
-                "bench-w",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        fleet = LocalFleet(model, server.url, key_prefix=prefix, num_workers=1).start(300)
         try:
-            client = redis.Redis.from_url(server.url)
-            deadline = time.monotonic() + 300
-            while not client.exists(f"{prefix}:worker:bench-w"):
-                if time.monotonic() > deadline or worker.poll() is not None:
-                    raise SystemExit((tmp / "worker.log").read_text()[-3000:])
-                time.sleep(0.1)
             asyncio.run(measure(args, server.url, prefix))
         finally:
-            worker.terminate()
-            worker.wait(60)
+            fleet.stop()
 
 
 if __name__ == "__main__":

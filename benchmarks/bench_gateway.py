@@ -39,10 +39,10 @@ from pathlib import Path
 
 import httpx
 import orjson
-import redis
 
 from tokenfleet.producer import AsyncClient
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -228,18 +228,12 @@ def main() -> None:
     with RedisServer() as server:
         env = {"REDIS_URL": server.url, "TOKENFLEET_KEY_PREFIX": prefix}
         cli = [sys.executable, "-m", "tokenfleet.worker.cli"]
-        worker = start(
-            [*cli, "worker", "--model", model, "--threads", "1", "--name", "bench-w"],
-            env,
-            tmp / "worker.log",
-        )
+        fleet = LocalFleet(model, server.url, key_prefix=prefix, num_workers=1).start(300)
         port = free_port()
         gateway = start(
             [*cli, "serve", "--port", str(port), "--log-level", "warning"], env, tmp / "gw.log"
         )
         try:
-            r = redis.Redis.from_url(server.url)
-            wait(lambda: r.exists(f"{prefix}:worker:bench-w"), "the worker")
 
             def gateway_up() -> bool:
                 try:
@@ -250,9 +244,9 @@ def main() -> None:
             wait(gateway_up, "the gateway")
             asyncio.run(measure(args, server.url, prefix, f"http://127.0.0.1:{port}"))
         finally:
-            for proc in (gateway, worker):
-                proc.terminate()
-                proc.wait(60)
+            gateway.terminate()
+            gateway.wait(60)
+            fleet.stop()
 
 
 if __name__ == "__main__":
