@@ -27,7 +27,7 @@ from tokenfleet.producer.gateway.openai_api import (
 )
 from tokenfleet.producer.gateway.responses import failure, used_tokens
 from tokenfleet.producer.gateway.settings import DISCONNECT_MODES
-from tokenfleet.producer.gateway.streams import StreamState, openai_events, parse_last_event_id
+from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 
 router = APIRouter()
@@ -101,20 +101,17 @@ def _stream(
         gw.settle_later(caller, rid, accepted.charged_tokens)
 
     async def body() -> Any:
-        gw.metrics.streams_open.inc()
         try:
-            events = handle.stream(from_index)
-            async for sse in openai_events(
-                events,
+            async for sse in relay(
+                handle,
                 accepted.framing,
                 from_index=from_index,
                 include_usage=sub.include_usage,
                 state=state,
+                streams_open=gw.metrics.streams_open,
             ):
                 yield sse
         finally:
-            gw.metrics.streams_open.dec()
-            handle.close()
             if state.terminal is not None:
                 gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(state.terminal)))
 

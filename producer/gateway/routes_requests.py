@@ -17,7 +17,7 @@ from tokenfleet.producer.gateway.gateway import Caller, Gateway
 from tokenfleet.producer.gateway.identity import kind_of, owns
 from tokenfleet.producer.gateway.responses import Framing
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
-from tokenfleet.producer.gateway.streams import StreamState, openai_events, parse_last_event_id
+from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
 from tokenfleet.shared.errors import InvalidRequest, UnknownRequest
 from tokenfleet.shared.keys import check_request_id
 from tokenfleet.shared.record import RequestRecord
@@ -79,19 +79,12 @@ async def request_events(
     framing = Framing(request_id, kind_of(request_id), record.model, int(record.enqueued_at or 0))
     handle = gw.client.handle(request_id)
 
-    async def body() -> Any:
-        gw.metrics.streams_open.inc()
-        try:
-            async for sse in openai_events(
-                handle.stream(from_index),
-                framing,
-                from_index=from_index,
-                include_usage=include_usage,
-                state=StreamState(),
-            ):
-                yield sse
-        finally:
-            gw.metrics.streams_open.dec()
-            handle.close()
-
-    return EventSourceResponse(body(), headers={"X-Request-Id": request_id}, ping=15)
+    events = relay(
+        handle,
+        framing,
+        from_index=from_index,
+        include_usage=include_usage,
+        state=StreamState(),
+        streams_open=gw.metrics.streams_open,
+    )
+    return EventSourceResponse(events, headers={"X-Request-Id": request_id}, ping=15)

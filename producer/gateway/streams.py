@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
+from prometheus_client import Gauge
 from sse_starlette import ServerSentEvent
 
+from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.responses import Framing, stream_error, usage_of
 from tokenfleet.shared.errors import RedisUnavailable, RequestLost
 from tokenfleet.shared.schema import Event, TerminalEvent, TerminalStatus, TokenEvent
@@ -66,6 +68,32 @@ async def openai_events(
         state.ended = True
         err = {"error": {"message": str(exc), "type": "server_error", "code": exc.code}}
         yield ServerSentEvent(_data(err))
+
+
+async def relay(
+    handle: AsyncHandle,
+    framing: Framing,
+    *,
+    from_index: int,
+    include_usage: bool,
+    state: StreamState,
+    streams_open: Gauge,
+) -> AsyncIterator[ServerSentEvent]:
+    """:func:`openai_events` of ``handle`` from ``from_index``, counted in ``streams_open``
+    while it runs; the handle is closed when the stream ends, however it ends."""
+    streams_open.inc()
+    try:
+        async for sse in openai_events(
+            handle.stream(from_index),
+            framing,
+            from_index=from_index,
+            include_usage=include_usage,
+            state=state,
+        ):
+            yield sse
+    finally:
+        streams_open.dec()
+        handle.close()
 
 
 def _ending(event: TerminalEvent, framing: Framing, include_usage: bool) -> list[ServerSentEvent]:
