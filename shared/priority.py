@@ -39,3 +39,7 @@ class Priority(IntEnum):
 
 
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)
+
+BACKGROUND: Priority = Priority.BATCH
+"""The level that yields to every other: its steps may be cut short and it sits out steps that
+prefill more urgent work (the engine); it never fills a worker's last free slots (the worker)."""

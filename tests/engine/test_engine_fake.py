@@ -317,8 +317,9 @@ def test_generate_returns_completions_in_order(tok: Any) -> None:
 
 
 def test_urgent_request_preempts_and_the_victim_recomputes_the_same_tokens(tok: Any) -> None:
-    # 6 blocks of 4: "low" (12-token prompt) holds 4 after a step; "crit" needs 3, finds 2
-    engine = make_engine(tok, num_kv_blocks=6)
+    # 6 blocks of 4: "low" (12-token prompt) holds 4 after a step; "crit" needs 3, finds 2.
+    # (With background_yields "low" would sit out crit's prefill and leave it the blocks.)
+    engine = make_engine(tok, num_kv_blocks=6, background_yields=False)
     low, crit = list(range(10, 22)), list(range(50, 62))
     engine.add_request(
         "low", low, SamplingParams(temperature=0, max_tokens=12), priority=Priority.BATCH

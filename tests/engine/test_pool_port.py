@@ -137,7 +137,7 @@ def test_lowering_the_limit_preempts_the_least_urgent_latest_at_the_next_step(to
 
 # -- what the pool call reports -------------------------------------------------------------------
 def test_wanted_blocks_by_priority_and_shortfall(tok: Any) -> None:
-    engine = make_engine(tok, 64, max_num_seqs=3)
+    engine = make_engine(tok, 64, max_num_seqs=3, background_yields=False)
     port = engine.pool_port()
     port.set_kv_block_limit(0)
     assert not port.has_work and port.num_blocks_wanted == 0

@@ -120,7 +120,7 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
 
 def test_a_token_limit_caps_each_step_and_decodes_the_most_urgent_first() -> None:
     """A pool's compute share lowers the per-step budget; work still progresses (at least 1)."""
-    sched = make_scheduler(max_num_batched_tokens=64)
+    sched = make_scheduler(max_num_batched_tokens=64, background_yields=False)
     port = PoolPort(sched, NoSteps())  # what the pool reads: the tokens wanted
     sched.add(make_request("batch", 6, priority=Priority.BATCH))
     sched.add(make_request("critical", 6, priority=Priority.CRITICAL))
@@ -184,7 +184,9 @@ def test_out_of_blocks_preempts_lowest_priority_latest_arrival() -> None:
 
 
 def test_preemption_picks_by_priority_not_by_admission_order() -> None:
-    sched = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=64)
+    sched = make_scheduler(
+        num_blocks=5, block_size=4, max_num_batched_tokens=64, background_yields=False
+    )
     sched.add(make_request("batch", 8, priority=Priority.BATCH, arrival=0.0))
     step(sched)  # batch runs alone
     sched.add(make_request("critical", 8, priority=Priority.CRITICAL, arrival=5.0))

@@ -23,6 +23,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_wait_steps: int | None = None  # anti-starvation: boost after this many waiting steps
     max_wait_s: float | None = 30.0  # anti-starvation: boost after this many waiting seconds
+    background_yields: bool = True  # batch-priority work sits out steps that prefill urgent work
+    max_yield_steps: int = 8  # ... at most this many steps in a row
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
     seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
@@ -50,6 +52,8 @@ class EngineConfig:
             max_model_len=max_model_len,
             max_wait_steps=self.max_wait_steps,
             max_wait_s=self.max_wait_s,
+            background_yields=self.background_yields,
+            max_yield_steps=self.max_yield_steps,
         )
 
 

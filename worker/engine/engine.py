@@ -10,12 +10,12 @@ import dataclasses
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.priority import BACKGROUND, Priority
 from tokenfleet.worker.engine.batch import StepBatch
 from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
 from tokenfleet.worker.engine.config import EngineConfig, with_overrides
@@ -27,6 +27,7 @@ from tokenfleet.worker.engine.outputs import (
     StepStats,
     step_stats,
 )
+from tokenfleet.worker.engine.paged_attention import StepInterrupted
 from tokenfleet.worker.engine.pool_port import PoolPort
 from tokenfleet.worker.engine.request import (
     FinishReason,
@@ -58,7 +59,9 @@ class ModelRunnerLike(Protocol):
     eos_token_ids: frozenset[int]
     device: torch.device
 
-    def execute(self, batch: StepBatch) -> torch.Tensor: ...
+    def execute(
+        self, batch: StepBatch, interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor: ...
 
 
 class Engine:
@@ -133,6 +136,8 @@ class Engine:
         self._pending: list[RequestOutput] = []  # finished outside step(): reported by the next
         self._arrivals = itertools.count()
         self._generate_ids = itertools.count()
+        self._interrupt: Callable[[], bool] | None = None  # set_interrupt
+        self._cut_last = False  # the last background step was cut short
 
     # ---------------------------------------------------------------------------- requests
 
@@ -227,15 +232,56 @@ class Engine:
 
     # -------------------------------------------------------------------------------- step
 
+    def set_interrupt(self, check: Callable[[], bool] | None) -> None:
+        """Let ``check`` cut background steps short (None: never). It is asked before each
+        layer of a step whose every sequence is of the ``BACKGROUND`` priority, except the step
+        right after one it cut (so background work always progresses: at least every other of
+        its steps completes); True stops the step there and ``step()`` returns without tokens
+        for it. The worker answers True when more urgent work has arrived in Redis, so that work
+        waits a layer, not a whole background step."""
+        self._interrupt = check
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns what each request produced (new tokens or its end)."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        logits = self.runner.execute(scheduled.batch) if scheduled.batch.seqs else None
+        try:
+            logits = self._execute(scheduled)
+        except StepInterrupted:
+            self._cut_last = True
+            outputs = self._postprocess_cut(scheduled)
+            self.last_step_stats = step_stats(
+                self.scheduler, scheduled, outputs, time.perf_counter() - start, cut=True
+            )
+            return outputs
         outputs = self._postprocess(scheduled, logits)
         self.last_step_stats = step_stats(
             self.scheduler, scheduled, outputs, time.perf_counter() - start
         )
+        return outputs
+
+    def _execute(self, scheduled: SchedulerOutput) -> torch.Tensor | None:
+        """Run the scheduled batch; interruptible when ``set_interrupt`` allows it."""
+        batch = scheduled.batch
+        if not batch.seqs:
+            return None
+        background = [req.priority is BACKGROUND for req in scheduled.requests]
+        if self._interrupt is not None and not self._cut_last and all(background):
+            logits = self.runner.execute(batch, self._interrupt)
+        else:
+            logits = self.runner.execute(batch)
+        if any(background):  # background work progressed: the next may be cut again
+            self._cut_last = False
+        return logits
+
+    def _postprocess_cut(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """A step cut short: nothing was computed (the scheduler's counts are unchanged, so
+        the same chunks run again next step); only ends decided outside the model are reported."""
+        outputs, self._pending = self._pending, []
+        outputs.extend(self._output(req, [], []) for req in scheduled.finished)
+        for out in outputs:
+            del self._requests[out.request_id]
+            del self._detokenizers[out.request_id]
         return outputs
 
     def _postprocess(

@@ -10,6 +10,7 @@ them as one batch; logits come back in the order of the batch's sequences.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -328,9 +329,13 @@ class ModelRunner:
             )
         return out.logits[0].float()
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(
+        self, batch: StepBatch, interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         """Compute one step; float32 logits ``[batch.num_logits, vocab_size]`` in batch order.
 
+        ``interrupt``: asked before each layer's attention; when it answers True the step stops
+        there with ``StepInterrupted`` (nothing to undo: see that class).
         Raises ``ValueError`` for a chunk that is empty, passes ``max_model_len``, or whose block
         table is too short or names a block outside the pool.
         """
@@ -340,6 +345,7 @@ class ModelRunner:
         packed = sorted((s for s in batch.seqs if len(s.token_ids) == 1), key=_start_pos)
         packed += [s for s in batch.seqs if len(s.token_ids) != 1]
         step = self._build_step(packed)
+        step.interrupt = interrupt
         last_index: dict[int, int] = {}
         offset = 0
         for seq in packed:

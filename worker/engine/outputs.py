@@ -68,6 +68,7 @@ class StepStats:
     num_waiting: int = 0  # after the step
     num_running: int = 0  # after the step
     duration_s: float = 0.0  # schedule + model + postprocess
+    cut: bool = False  # cut short by more urgent work (Engine.set_interrupt): nothing computed
 
 
 def step_stats(
@@ -75,6 +76,8 @@ def step_stats(
     scheduled: SchedulerOutput,
     outputs: list[RequestOutput],
     duration_s: float,
+    *,
+    cut: bool = False,
 ) -> StepStats:
     """The stats of the step ``scheduler`` just scheduled as ``scheduled`` and that produced
     ``outputs`` in ``duration_s`` seconds (queues and blocks as they are after it)."""
@@ -96,6 +99,7 @@ def step_stats(
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
         duration_s=duration_s,
+        cut=cut,
     )
 
 

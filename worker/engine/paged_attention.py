@@ -18,6 +18,7 @@ heads that share a KV head into query rows; prefill chunks use SDPA's ``enable_g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,14 @@ class PagedStep:
     position_ids: torch.Tensor  # [1, num_tokens] position of each packed token
     # Only during the load-time smoke forward: (layer_idx, names of non-None extra kwargs) per call.
     probe: list[tuple[int, frozenset[str]]] | None = None
+    # Asked at each layer before its K/V write; True cuts the step short (StepInterrupted).
+    interrupt: Callable[[], bool] | None = None
+
+
+class StepInterrupted(Exception):
+    """A step was cut short between layers by its ``interrupt`` check. The layers before wrote
+    K/V only at the step's own new positions, which are not computed yet by the scheduler's
+    count: running the same chunks again overwrites them, so nothing needs undoing."""
 
 
 def _window_mask(
@@ -267,6 +276,8 @@ def paged_attention_forward(
             "argument; run the model through tokenfleet's ModelRunner"
         )
     layer_idx: int = module.layer_idx  # type: ignore[assignment]
+    if step.interrupt is not None and step.interrupt():
+        raise StepInterrupted(f"cut short before layer {layer_idx}")
     if step.probe is not None:
         passed = {
             name

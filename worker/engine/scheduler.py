@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenfleet.shared.priority import BACKGROUND
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
 from tokenfleet.worker.engine.block_manager import (
     AllocStatus,
@@ -51,6 +52,8 @@ class SchedulerConfig:
     max_model_len: int = 2048  # prompt + output tokens of one request at most
     max_wait_steps: int | None = None  # boost a request waiting this many steps (None = never)
     max_wait_s: float | None = 30.0  # boost a request waiting this many seconds (None = never)
+    background_yields: bool = True  # background work sits out steps that prefill urgent work
+    max_yield_steps: int = 8  # ... but never more than this many steps in a row
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -65,6 +68,8 @@ class SchedulerConfig:
             raise ValueError(f"max_wait_steps must be >= 1 or None, got {self.max_wait_steps}")
         if self.max_wait_s is not None and not self.max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0 or None, got {self.max_wait_s}")
+        if self.max_yield_steps < 1:
+            raise ValueError(f"max_yield_steps must be >= 1, got {self.max_yield_steps}")
 
 
 @dataclass(slots=True)
@@ -106,6 +111,7 @@ class Scheduler:
         self.step_index = 0  # number of schedule() calls so far
         self._num_preempted_between_steps = 0  # by preempt() since the last schedule()
         self.token_limit: int | None = None  # a compute share's per-step cap (None: none)
+        self._yielded = 0  # consecutive steps background work sat out (``_background_yields``)
 
     # ------------------------------------------------------------------------------- queues
 
@@ -178,15 +184,76 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.token_limit is not None:
             budget = max(1, min(budget, self.token_limit))
+        yielding = self._background_yields()
+        urgent_only = _not_background if yielding else None
+        budget = self._schedule_decodes(out, decode, prefill, budget, urgent_only)  # 1. decode
+        budget = self._schedule_prefills(prefill, budget, urgent_only)  # 2. running prefills
+        budget = self._admit(out, decode, prefill, budget, stop_at_background=yielding)  # 3.
+        if yielding and not any(
+            self._by_id(rid).priority is not BACKGROUND for rid in prefill
+        ):  # the urgent work could not start: background takes the step after all
+            yielding = False
+            budget = self._schedule_decodes(out, decode, prefill, budget, _background)
+            budget = self._schedule_prefills(prefill, budget, _background)
+        self._yielded = self._yielded + 1 if yielding else 0
 
-        # 1. decode: one token each for running requests one token behind; preempt to make room
+        now = self.clock()
+        by_id = {r.request_id: r for r in self.running}
+        for seq in (*decode.values(), *prefill.values()):
+            req = by_id[seq.request_id]
+            if req.timings.first_scheduled_time is None:
+                req.timings.first_scheduled_time = now
+            out.batch.seqs.append(seq)
+            out.requests.append(req)
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Record the chunks the runner computed and offer newly full blocks to the cache."""
+        for req, seq in zip(out.requests, out.batch.seqs, strict=True):
+            req.num_computed_tokens = seq.end_pos
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
+            self.block_manager.cache_blocks(
+                req.request_id, req.block_hashes, req.num_computed_tokens
+            )
+
+    # ------------------------------------------------------------------------------ phases
+
+    def _background_yields(self) -> bool:
+        """Whether background work sits out this step: more urgent work needs a prefill (running
+        with more than one token to compute, or waiting) while background work runs, and it has
+        not sat out ``max_yield_steps`` steps in a row (then it joins this one)."""
+        cfg = self.config
+        if not cfg.background_yields or self._yielded >= cfg.max_yield_steps:
+            return False
+        if not any(r.priority is BACKGROUND for r in self.running):
+            return False
+        return any(r.priority is not BACKGROUND for r in self.waiting) or any(
+            r.priority is not BACKGROUND and r.num_tokens - r.num_computed_tokens > 1
+            for r in self.running
+        )
+
+    def _schedule_decodes(
+        self,
+        out: SchedulerOutput,
+        decode: dict[str, ScheduledSeq],
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        only: Callable[[Request], bool] | None,
+    ) -> int:
+        """One token each for running requests one token behind (those ``only`` accepts, if
+        given), most urgent first; preempts the least urgent to make room. Returns the budget
+        left."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_tokens - req.num_computed_tokens == 1:
+            if (
+                req.request_id not in decode
+                and (only is None or only(req))
+                and req.num_tokens - req.num_computed_tokens == 1
+            ):
                 while not self._reserve_slots(req):
                     victim = self.running[-1]
-                    self._preempt(victim, out)
+                    budget += self._preempt(victim, out, decode, prefill)
                     if victim is req:
                         break
                 if req.status is not RequestStatus.RUNNING:
@@ -194,20 +261,40 @@ class Scheduler:
                 decode[req.request_id] = self._chunk(req, 1)
                 budget -= 1
             i += 1
+        return budget
 
-        # 2. prefill: next chunk of running requests further behind
+    def _schedule_prefills(
+        self,
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        only: Callable[[Request], bool] | None,
+    ) -> int:
+        """The next chunk of running requests further behind (those ``only`` accepts)."""
         for req in self.running:
             if budget <= 0:
                 break
             num_new = req.num_tokens - req.num_computed_tokens
-            if num_new > 1:
+            if num_new > 1 and req.request_id not in prefill and (only is None or only(req)):
                 n = min(num_new, budget)
                 prefill[req.request_id] = self._chunk(req, n)
                 budget -= n
+        return budget
 
-        # 3. admission, most urgent first; stop at the first that cannot start (no skipping)
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        decode: dict[str, ScheduledSeq],
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        *,
+        stop_at_background: bool,
+    ) -> int:
+        """Admit waiting requests, most urgent first; stop at the first that cannot start (no
+        skipping), or at the first background one when ``stop_at_background``."""
         while self.waiting and budget > 0:
             req = self.waiting[0]
+            if stop_at_background and req.priority is BACKGROUND:
+                break
             refusal = self.refusal(req)
             if refusal is not None:
                 self.waiting.pop(0)
@@ -237,25 +324,10 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             prefill[req.request_id] = self._chunk(req, n)
             budget -= n
+        return budget
 
-        now = self.clock()
-        by_id = {r.request_id: r for r in self.running}
-        for seq in (*decode.values(), *prefill.values()):
-            req = by_id[seq.request_id]
-            if req.timings.first_scheduled_time is None:
-                req.timings.first_scheduled_time = now
-            out.batch.seqs.append(seq)
-            out.requests.append(req)
-        return out
-
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Record the chunks the runner computed and offer newly full blocks to the cache."""
-        for req, seq in zip(out.requests, out.batch.seqs, strict=True):
-            req.num_computed_tokens = seq.end_pos
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
-            self.block_manager.cache_blocks(
-                req.request_id, req.block_hashes, req.num_computed_tokens
-            )
+    def _by_id(self, request_id: str) -> Request:
+        return next(r for r in self.running if r.request_id == request_id)
 
     # ------------------------------------------------------------------------------ helpers
 
@@ -341,3 +413,11 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int, float, int]:
     return req.sort_key
+
+
+def _background(req: Request) -> bool:
+    return req.priority is BACKGROUND
+
+
+def _not_background(req: Request) -> bool:
+    return req.priority is not BACKGROUND
