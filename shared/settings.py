@@ -142,6 +142,8 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "threads",
         "grace_s",
         "num_workers",
+        "reserved_slots",
+        "batch_yields",
     }
 )
 # The gateway's settings (``TOKENFLEET_GATEWAY_*``, producer/gateway/settings.py).

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
-from tokenfleet.shared.priority import PRIORITIES, Priority
+from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
 from tokenfleet.worker.pool.config import weight_milli
 
 # Environment variable -> (field name, parser name). Every name here is whitelisted in
@@ -39,6 +39,8 @@ ENV_VARS: dict[str, str] = {
     "TOKENFLEET_GRACE_S": "grace_s",
     "TOKENFLEET_KV_POOL": "kv_pool",
     "TOKENFLEET_SHARE_WEIGHT": "share_weight",
+    "TOKENFLEET_RESERVED_SLOTS": "reserved_slots",
+    "TOKENFLEET_BATCH_YIELDS": "batch_yields",
 }
 
 _INT_FIELDS = frozenset(
@@ -50,8 +52,11 @@ _INT_FIELDS = frozenset(
         "max_model_len",
         "metrics_port",
         "threads",
+        "reserved_slots",
     }
 )
+_BOOL_FIELDS = frozenset({"batch_yields"})
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
 _FLOAT_FIELDS = frozenset(
     {
         "grace_s",
@@ -123,6 +128,12 @@ class WorkerSettings:
             its own timers' timeout when idle).
         kv_pool: shared KV pool to join (docs/kv_pools.md); None: the engine's whole cache.
         share_weight: this worker's weight in the pool (0.001 to 100).
+        reserved_slots: sequence slots that ``batch`` work never fills, kept for the more
+            urgent levels this worker serves (None: an eighth of ``max_num_seqs``, at least 1;
+            0: none). Only applies to a worker serving ``batch`` and a more urgent level.
+        batch_yields: ``batch`` work sits out engine steps that prefill more urgent work, and
+            more urgent work arriving in Redis cuts a batch-only step short (docs in README,
+            "Batch work yields"); False runs batch steps through like any other.
     """
 
     model: str
@@ -149,6 +160,8 @@ class WorkerSettings:
     block_ms: int = 1000
     kv_pool: str | None = None
     share_weight: float = 1.0
+    reserved_slots: int | None = None
+    batch_yields: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -186,6 +199,22 @@ class WorkerSettings:
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         _check_positive("block_ms", self.block_ms)
+        if self.reserved_slots is not None and not 0 <= self.reserved_slots < self.max_num_seqs:
+            raise SettingsError(
+                f"reserved_slots must be in 0..{self.max_num_seqs - 1} (max_num_seqs - 1), "
+                f"got {self.reserved_slots}"
+            )
+
+    @property
+    def background_slots(self) -> int | None:
+        """Sequence slots ``batch`` work may hold at most, or None (no limit: the worker does not
+        serve both ``batch`` and a more urgent level, or reserves nothing)."""
+        if BACKGROUND not in self.priorities or len(self.priorities) < 2:
+            return None
+        reserved = self.reserved_slots
+        if reserved is None:
+            reserved = max(1, self.max_num_seqs // 8)
+        return self.max_num_seqs - reserved if reserved else None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
@@ -218,6 +247,7 @@ class WorkerSettings:
             "max_num_batched_tokens": self.max_batched_tokens,
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "background_yields": self.batch_yields,
         }
         if self.device:
             out["device"] = self.device
@@ -236,6 +266,10 @@ def _check_positive(name: str, value: Any) -> None:
 
 
 def _parse(name: str, raw: str, var: str) -> Any:
+    if name in _BOOL_FIELDS:
+        if raw.strip().lower() not in _TRUE | _FALSE:
+            raise SettingsError(f"{var} must be 1/0, true/false, yes/no or on/off, got {raw!r}")
+        return raw.strip().lower() in _TRUE
     try:
         if name in _INT_FIELDS:
             return int(raw)

@@ -1,26 +1,34 @@
 -- KEYS[1..n] = queue streams, in the order to read them (most urgent first, starved ones before)
 -- ARGV[1] = consumer group name          ARGV[2] = consumer (the worker's name)
 -- ARGV[3] = budget: entries to read at most, over all streams
+-- ARGV[3+i] = entries to read at most from KEYS[i] (optional; absent or negative: no own cap)
 -- Returns {"ok", levels_read, groups_lost, reply...}: one XREADGROUP reply ({stream, entries})
 -- per stream that had new entries; levels_read counts the streams read (empty or not) before
 -- the budget ran out; groups_lost is 1 if a stream or its group was missing (deleted, e.g. by
 -- FLUSHALL: the caller recreates them). Entries read from the other streams are returned all
 -- the same: they are in the caller's pending list now. One round trip instead of one
--- XREADGROUP per priority.
+-- XREADGROUP per priority. A stream whose own cap is 0 is skipped (and not counted as read).
 local left = tonumber(ARGV[3])
 local out = {'ok', 0, 0}
 for i = 1, #KEYS do
   if left <= 0 then
     break
   end
-  out[2] = i
-  local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', left,
-                        'STREAMS', KEYS[i], '>')
-  if type(r) == 'table' and r.err then
-    out[3] = 1
-  elseif r then
-    out[#out + 1] = r[1]
-    left = left - #r[1][2]
+  local count = left
+  local cap = tonumber(ARGV[3 + i] or '-1')
+  if cap >= 0 and cap < count then
+    count = cap
+  end
+  if count > 0 then
+    out[2] = i
+    local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count,
+                          'STREAMS', KEYS[i], '>')
+    if type(r) == 'table' and r.err then
+      out[3] = 1
+    elseif r then
+      out[#out + 1] = r[1]
+      left = left - #r[1][2]
+    end
   end
 end
 return out

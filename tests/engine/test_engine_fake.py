@@ -8,6 +8,7 @@ hash of the whole context, exactly as a reference computed from the plain token 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,9 @@ class PagedFakeRunner:
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_kv_blocks)]
         self.batches: list[StepBatch] = []
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(
+        self, batch: StepBatch, interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
         self.batches.append(batch)
         bs = self.block_size
         rows = []

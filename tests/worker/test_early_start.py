@@ -42,6 +42,8 @@ class AnsweringReader:
     """Stands in for ``IntakeReader``: ``resolve`` hands over the queued deliveries one by one;
     ``poll`` (the loop reading new arrivals) finds nothing."""
 
+    held = 0  # entries read and being started
+
     def __init__(self, *deliveries: Delivery) -> None:
         self.deliveries = list(deliveries)
         self.resolves = 0

@@ -58,6 +58,8 @@ class Recording:
 class NoReader:
     """Stands in for ``IntakeReader``: the tests feed the entries themselves (``_take_in``)."""
 
+    held = 0  # entries read and being started
+
     def poll(self, budget: int, timeout_s: float = 0.0) -> Delivery:
         return Delivery()
 

@@ -86,3 +86,24 @@ def test_a_vanished_stream_does_not_lose_what_the_pull_read(
     got = intake.pull(5)
     assert [e.raw_id for e in got] == ["critical-0"]  # read, so returned: it is ours now
     assert r.xinfo_groups(keys.stream("default", Priority.NORMAL))  # recreated
+
+
+def test_a_capped_level_is_read_up_to_its_cap_and_left_out_of_blocking_reads(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    intake = _intake(r, settings, starvation_pulls=2)
+    _fill(r, keys, Priority.BATCH, 3)
+    _fill(r, keys, Priority.NORMAL, 1)
+    intake.caps[Priority.BATCH] = 1
+    got = intake.pull(10)
+    assert [e.priority for e in got] == [Priority.NORMAL, Priority.BATCH]
+    assert intake.caps[Priority.BATCH] == 0  # lowered by what was read
+    for _ in range(3):  # held back at 0: nothing read, and not counted as starved
+        assert intake.pull(10) == []
+    assert intake.order()[0] is Priority.CRITICAL
+    read = intake.send_read(10, block_ms=50)  # blocking: the capped level is left out
+    assert not read.narrowed()
+    intake.caps[Priority.BATCH] = 5
+    assert read.narrowed()  # the reader cancels such a read and reads again
+    assert read.receive() == []  # (the batch entries waiting did not answer it)
+    assert intake.send_read(10, block_ms=5000).receive()[0].priority is Priority.BATCH

@@ -85,6 +85,20 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--share-weight", type=float, help="weight in the KV pool (TOKENFLEET_SHARE_WEIGHT, 1)"
     )
+    p.add_argument(
+        "--reserved-slots",
+        type=int,
+        help="sequence slots batch work never fills, kept for more urgent levels "
+        "(TOKENFLEET_RESERVED_SLOTS; default max-num-seqs/8, 0 = none)",
+    )
+    p.add_argument(
+        "--no-batch-yield",
+        dest="batch_yields",
+        action="store_const",
+        const=False,
+        help="run batch work's steps through like any other: no sitting out urgent prefills, "
+        "no cut steps (TOKENFLEET_BATCH_YIELDS=0)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     p.set_defaults(func=func)
 
@@ -117,6 +131,8 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         poison_limit=args.poison_limit,
         kv_pool=args.kv_pool,
         share_weight=args.share_weight,
+        reserved_slots=args.reserved_slots,
+        batch_yields=args.batch_yields,
     )
     return settings, ws
 

@@ -17,11 +17,13 @@ its ``START`` travels during that step. Nothing runs concurrently with the engin
 *thread* made the step an arrival landed in about 0.9 ms longer (the GIL changing hands in the
 middle of the step, measured in issue 5's notes), and every new request paid that in TTFT.
 
-A blocking read is armed only while the engine has room: when the budget drops to zero it is
-cancelled (``CLIENT UNBLOCK`` from another connection, which makes it answer at once), so a full
-worker leaves arrivals in Redis for others. Exception: one blocking read reads up to one entry
-per stream, so it can exceed a budget smaller than the number of streams; every entry read is
-started and handed over (none is left unstarted in this worker's pending list).
+A blocking read is armed only while the engine has room (and leaves out the levels capped at 0,
+``PriorityStreams.caps``; once such a level may be read again it is cancelled and sent anew):
+when the budget drops to zero it is cancelled (``CLIENT UNBLOCK`` from another connection,
+which makes it answer at once), so a full worker leaves arrivals in Redis for others.
+Exception: one blocking read reads up to one entry per stream, so it can exceed a budget (or a
+cap) smaller than the number of streams; every entry read is started and handed over (none is
+left unstarted in this worker's pending list).
 
 Early start: a new request (not handed back, so nothing to resume) is handed over as an
 ``early`` job as soon as it is read, before its ``START`` has answered, and ``resolved`` once
@@ -97,6 +99,8 @@ class IntakeReader:
                     self._send_read(room)
             elif self._read is not None and self._read.blocking and room <= 0:
                 self._unblock()  # no room: leave arrivals to other workers
+            elif self._read is not None and self._read.blocking and self._read.narrowed():
+                self._unblock()  # a level it leaves out may be read now: read again
             pending = self._read or self._start
             if pending is None or out:
                 return out

@@ -4,9 +4,11 @@
 (``XREADGROUP``, one consumer group per queue, this worker's name as the consumer), most urgent
 stream first, with one anti-starvation rule: a level skipped (because more urgent levels used the
 budget) for ``starvation_pulls`` consecutive pulls is read first on the next pull. A blocking
-read (``XREADGROUP COUNT 1 BLOCK``) on every stream answers at the first arrival. Replies are
-parsed into :class:`Entry` objects; a stream or group deleted under the worker (NOGROUP, or the
-UNBLOCKED a blocked read gets) recreates the groups instead of failing.
+read (``XREADGROUP COUNT 1 BLOCK``) on every stream answers at the first arrival. ``caps`` limits
+what the next reads take from a level (the worker keeps its last free slots for levels more
+urgent than ``batch``: ``Feeder.read_budget``); a level capped at 0 is left out of blocking reads
+too. Replies are parsed into :class:`Entry` objects; a stream or group deleted under the worker
+(NOGROUP, or the UNBLOCKED a blocked read gets) recreates the groups instead of failing.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from tokenfleet.worker.pipelined import ScriptPipeline
 class PriorityStreams:
     """Reads entries of one served model's priority streams on behalf of one worker.
 
-    Invariant: ``_skipped[p]`` counts consecutive pulls in which level ``p`` was not read; it is
-    reset whenever ``p`` is read, and a level with ``_skipped[p] >= starvation_pulls`` is read
-    before all others.
+    Invariants: ``_skipped[p]`` counts consecutive pulls in which level ``p`` was not read; it is
+    reset whenever ``p`` is read, left as it is while ``p`` is capped at 0 (held back on purpose,
+    not starved), and a level with ``_skipped[p] >= starvation_pulls`` is read before all others.
+    ``caps[p]``, where set, is lowered by every entry of level ``p`` read, never below 0.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class PriorityStreams:
         self.stream_of = {p: keys.stream(model_name, p) for p in self.priorities}
         self.priority_of = {s: p for p, s in self.stream_of.items()}
         self._skipped = dict.fromkeys(self.priorities, 0)
+        self.caps: dict[Priority, int] = {}  # level -> entries the next reads may take at most
 
     def ensure_groups(self) -> None:
         """Create each stream's consumer group at id 0 (MKSTREAM); an existing group is fine."""
@@ -86,10 +90,14 @@ class PriorityStreams:
         see ``ScriptPipeline``."""
         pipe = ScriptPipeline(self.client, connection)
         order: list[Priority] | None = None
+        left_out: frozenset[Priority] = frozenset()
         if block_ms is None:
             order = self.queue_pull(pipe, budget)
         else:
-            streams = list(self.stream_of.values())
+            left_out = frozenset(p for p in self.priorities if self.caps.get(p) == 0)
+            if left_out == frozenset(self.priorities):  # (caps never close every level)
+                left_out = frozenset()
+            streams = [s for p, s in self.stream_of.items() if p not in left_out]
             pipe.command(
                 "XREADGROUP",
                 "GROUP",
@@ -105,7 +113,7 @@ class PriorityStreams:
                 raise_errors=False,
             )
         pipe.send()
-        return PendingRead(self, pipe, order)
+        return PendingRead(self, pipe, order, left_out)
 
     def queue_pull(self, pipe: ScriptPipeline, budget: int) -> list[Priority]:
         """Queue the ``PULL`` script for up to ``budget`` entries, in :meth:`order`, into
@@ -114,7 +122,8 @@ class PriorityStreams:
         order = self.order()
         if order:
             keys = [self.stream_of[p] for p in order]
-            args = (CONSUMER_GROUP, self.worker_name, budget)
+            caps = [self.caps.get(p, -1) for p in order]
+            args: list[str | int] = [CONSUMER_GROUP, self.worker_name, budget, *caps]
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         return order
 
@@ -126,6 +135,8 @@ class PriorityStreams:
         values = registry.check_reply(PULL, reply)
         levels_read = int(values[1])
         for i, p in enumerate(order):
+            if self.caps.get(p) == 0:
+                continue  # held back, not starved
             if i < levels_read:
                 self._skipped[p] = 0
             else:
@@ -152,10 +163,14 @@ class PriorityStreams:
             return []
         items = reply.items() if isinstance(reply, dict) else reply
         out: list[Entry] = []
+        caps = self.caps
         for stream_raw, messages in items:
             stream = as_str(stream_raw) or ""
             for entry_id, fields in messages:
-                out.append(self.make_entry(stream, entry_id, fields))
+                entry = self.make_entry(stream, entry_id, fields)
+                if entry.priority in caps:
+                    caps[entry.priority] = max(0, caps[entry.priority] - 1)
+                out.append(entry)
         return out
 
     def make_entry(self, stream: str, entry_id: Any, fields: Any) -> Entry:
@@ -170,12 +185,22 @@ class PendingRead:
     """A read sent by :meth:`PriorityStreams.send_read`, its reply not read yet."""
 
     def __init__(
-        self, streams: PriorityStreams, pipe: ScriptPipeline, order: list[Priority] | None
+        self,
+        streams: PriorityStreams,
+        pipe: ScriptPipeline,
+        order: list[Priority] | None,
+        left_out: frozenset[Priority] = frozenset(),
     ) -> None:
         self._streams = streams
         self._pipe = pipe
         self._order = order
+        self._left_out = left_out  # levels a blocking read does not watch (capped at 0 then)
         self.blocking = order is None  # an XREADGROUP ... BLOCK, not a PULL
+
+    def narrowed(self) -> bool:
+        """A blocking read that leaves out a level the caps now let be read."""
+        caps = self._streams.caps
+        return any(caps.get(p) != 0 for p in self._left_out)
 
     def ready(self, timeout_s: float = 0.0) -> bool:
         """Whether the reply has arrived (waiting up to ``timeout_s`` for it)."""

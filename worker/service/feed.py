@@ -24,6 +24,7 @@ import logging
 import math
 import time
 
+from tokenfleet.shared.priority import BACKGROUND
 from tokenfleet.shared.schema import TerminalStatus
 from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.intake.claimer import Claimer
@@ -57,6 +58,7 @@ class Feeder:
         *,
         worker_name: str,
         prep: PromptPrep | None = None,
+        background_slots: int | None = None,
     ) -> None:
         self.intake = intake
         self.reader = reader
@@ -67,6 +69,7 @@ class Feeder:
         self.outbox = outbox
         self.metrics = metrics
         self.worker_name = worker_name
+        self.background_slots = background_slots  # WorkerSettings.background_slots
         self.prep = prep or PromptPrep(
             self.engine.tokenizer, self.engine.max_model_len, adapter.chat_text
         )
@@ -87,7 +90,19 @@ class Feeder:
 
     def read_budget(self) -> int:
         """How many new entries the intake may read: none while requests inherited from an
-        earlier process of this name wait for room (they are older, and go first)."""
+        earlier process of this name wait for room (they are older, and go first). Also caps
+        what the reads take of ``batch`` so that it never holds more than ``background_slots``
+        (the rest is kept for more urgent levels: an urgent arrival finds a free slot)."""
+        if self.background_slots is not None:
+            table = self.table
+            held = sum(
+                1
+                for jobs in (table.jobs, table.early, table.preparing)
+                for job in jobs.values()
+                if job.entry.priority is BACKGROUND
+            )
+            room = self.background_slots - held - self.reader.held  # (held: any level)
+            self.intake.streams.caps[BACKGROUND] = max(0, room)
         return 0 if self.claimer.inheriting else self.budget()
 
     # -- the intake's round trips --------------------------------------------------------------

@@ -55,6 +55,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.intake.claimer import Claimer
+from tokenfleet.worker.intake.doorbell import wire_doorbell
 from tokenfleet.worker.intake.reader import IntakeReader
 from tokenfleet.worker.pool.link import PoolEngine, PoolLink
 from tokenfleet.worker.pool.member import KVPoolMember
@@ -77,6 +78,8 @@ from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailu
 from tokenfleet.worker.worker_settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+
+CUT_POLL_S = 0.05  # after a step cut short for urgent work: how long to wait for it to be read
 
 
 class WorkerService:
@@ -129,6 +132,7 @@ class WorkerService:
             self.outbox,
             self.metrics,
             worker_name=name,
+            background_slots=wsettings.background_slots,
         )
         self.failures = StepFailures(self.feed, self.outbox, worker_name=name)
         self.heartbeat = Heartbeat(
@@ -145,6 +149,7 @@ class WorkerService:
             registry=self.metrics.registry,
             model_name=wsettings.model_name,
         )
+        self.doorbell = wire_doorbell(engine, self.client, self.intake.keys, wsettings)
         self._held: list[Any] | None = None  # a step's outputs not yet in the outbox
         self.stop_requested = False
         self._stop_at = 0.0
@@ -265,6 +270,10 @@ class WorkerService:
 
     # -- one engine step ----------------------------------------------------------------------
     def _step(self) -> None:
+        doorbell = self.doorbell
+        if doorbell is not None:
+            doorbell.rang()  # a ring from before this step: the poll before it had its chance
+            doorbell.arm()
         try:
             if self.pool is not None:
                 self.pool.before_step()  # a preemption order from the last reply
@@ -273,6 +282,8 @@ class WorkerService:
             if self.failures.failed(exc):
                 self.exit_code = EXIT_ENGINE_BROKEN
             return
+        if self.engine.last_step_stats.cut:  # urgent work is in Redis: read it in right now
+            self.feed.poll(CUT_POLL_S)
         if any(out.new_token_ids for out in outputs):
             self.failures.produced_tokens()
         self._held = outputs
@@ -341,6 +352,8 @@ class WorkerService:
     def _close(self) -> None:
         """The intake's and the publisher's last round trips, then leave the pool and remove the
         heartbeat, whatever failed before."""
+        if self.doorbell is not None:
+            self.doorbell.close()
         self.feed.close()
         try:
             self.outbox.flush()

@@ -140,11 +140,18 @@ class WorkerMetrics:
             mp,
             registry=r,
         )
+        self.steps_cut = Counter(
+            "tokenfleet:batch_steps_cut",
+            "Batch-only engine steps cut short because more urgent work arrived.",
+            m,
+            registry=r,
+        )
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
         # the step gauges' children, looked up once (labels() takes a lock and hashes each time)
         self._preemptions = self.preemptions.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
+        self._steps_cut = self.steps_cut.labels(model_name)
         # what the step gauges show when scraped; written by the loop (a dict store is atomic)
         self._gauges: dict[str, float] = dict.fromkeys(
             ("running", "waiting", "kv_usage", "throughput"), 0.0
@@ -171,6 +178,8 @@ class WorkerMetrics:
             preempted = getattr(stats, "num_preemptions", 0)
             if preempted:
                 self._preemptions.inc(preempted)
+            if getattr(stats, "cut", False):
+                self._steps_cut.inc()
             hits = getattr(stats, "num_prefix_cache_hit_tokens", 0)
             if hits:
                 self._prefix_hits.inc(hits)
