@@ -12,6 +12,10 @@ One private redis-server and one ``tokenfleet worker --threads 1`` started by ``
 Then TTFT of interactive requests (priority ``normal``, one at a time, ``--ttft-requests``):
 on the idle fleet, and while a batch of the same size runs; p50 of each and the ratio.
 
+The same batch side and TTFT also run, in the same rounds, on a second worker (a key prefix of
+its own, idle while the first works) started with ``--no-batch-yield --reserved-slots 0``: what
+yielding to interactive work costs the batch, and what it buys the interactive requests.
+
     .venv/bin/python benchmarks/bench_batches.py                       # SmolLM2, 1,000 lines
     .venv/bin/python benchmarks/bench_batches.py --model tiny --rounds 3
 """
@@ -90,49 +94,69 @@ async def ttft(client: AsyncClient, n: int) -> list[float]:
     return out
 
 
-async def measure(args: argparse.Namespace, url: str, prefix: str) -> None:
-    settings = Settings(redis_url=url, key_prefix=prefix)
+async def ttft_during_batch(
+    client: AsyncClient, r: redis.asyncio.Redis, batch: list[dict], n: int
+) -> tuple[list[float], list[float]]:
+    """TTFTs on the idle fleet, then while ``batch`` runs (cancelled afterwards)."""
+    idle = await ttft(client, n)
+    handle = await submit_batch(client, r, batch)
+    runner = asyncio.get_running_loop().create_task(handle.wait(poll_s=0.2))
+    while (await handle.status()).completed < 8:  # the batch is running
+        await asyncio.sleep(0.05)
+    busy = await ttft(client, n)
+    await handle.cancel()
+    await runner
+    return idle, busy
+
+
+async def measure(args: argparse.Namespace, url: str, prefixes: dict[str, str]) -> None:
     r = redis.asyncio.Redis.from_url(url)
-    async with AsyncClient(r, settings=settings) as client:
-        batch = lines(args.lines, args.max_tokens)
-        rates: dict[str, list[float]] = {"submit_many": [], "batch": []}
-        for rnd in range(args.rounds):
-            order = ["submit_many", "batch"] if rnd % 2 == 0 else ["batch", "submit_many"]
-            for side in order:
-                rate = await (
-                    via_submit_many(client, batch)
-                    if side == "submit_many"
-                    else via_batch(client, r, batch)
-                )
-                rates[side].append(rate)
-            print(
-                f"round {rnd + 1}: lines/s submit_many {rates['submit_many'][-1]:.1f} "
-                f"batch {rates['batch'][-1]:.1f}",
-                flush=True,
+    clients = {
+        name: AsyncClient(r, settings=Settings(redis_url=url, key_prefix=prefix))
+        for name, prefix in prefixes.items()
+    }
+    batch = lines(args.lines, args.max_tokens)
+    rates: dict[str, list[float]] = {"submit_many": [], "batch": [], "batch, no yield": []}
+    sides = list(rates) if "plain" in clients else ["submit_many", "batch"]
+    for rnd in range(args.rounds):
+        for side in sides if rnd % 2 == 0 else sides[::-1]:
+            client = clients["plain" if side == "batch, no yield" else "yield"]
+            rate = await (
+                via_submit_many(client, batch)
+                if side == "submit_many"
+                else via_batch(client, r, batch)
             )
-        idle = await ttft(client, args.ttft_requests)
-        handle = await submit_batch(client, r, batch)
-        runner = asyncio.get_running_loop().create_task(handle.wait(poll_s=0.2))
-        while (await handle.status()).completed < 8:  # the batch is running
-            await asyncio.sleep(0.05)
-        busy = await ttft(client, args.ttft_requests)
-        await handle.cancel()
-        await runner
+            rates[side].append(rate)
+        print(
+            f"round {rnd + 1}: lines/s " + ", ".join(f"{s} {rates[s][-1]:.1f}" for s in sides),
+            flush=True,
+        )
+    ttfts = {
+        name: await ttft_during_batch(client, r, batch, args.ttft_requests)
+        for name, client in clients.items()
+    }
+    for client in clients.values():
+        await client.aclose()
     await r.aclose()
     ratios = [b / s for b, s in zip(rates["batch"], rates["submit_many"], strict=True)]
     print()
     print(f"model {args.model}; {args.lines} lines of {args.max_tokens} tokens; worker 1 thread")
-    print(f"{'lines/s submit_many (median)':<40}{statistics.median(rates['submit_many']):>10.1f}")
-    print(f"{'lines/s batch (median)':<40}{statistics.median(rates['batch']):>10.1f}")
+    for side in sides:
+        print(f"{'lines/s ' + side + ' (median)':<50}{statistics.median(rates[side]):>10.1f}")
     print(
-        f"{'batch ÷ submit_many (per round)':<40}{statistics.median(ratios):>10.3f}  "
+        f"{'batch ÷ submit_many (per round)':<50}{statistics.median(ratios):>10.3f}  "
         + " ".join(f"{x:.3f}" for x in ratios)
     )
-    p_idle, p_busy = percentile(idle, 50), percentile(busy, 50)
-    print(
-        f"{'interactive TTFT p50 idle / during batch':<40}{p_idle:>10.1f}{p_busy:>10.1f} ms"
-        f"  ratio {p_busy / p_idle:.2f}"
-    )
+    if "plain" in clients:
+        cost = [y / n for y, n in zip(rates["batch"], rates["batch, no yield"], strict=True)]
+        print(
+            f"{'batch ÷ batch with no yield (per round)':<50}{statistics.median(cost):>10.3f}  "
+            + " ".join(f"{x:.3f}" for x in cost)
+        )
+    for name, (idle, busy) in ttfts.items():
+        p_idle, p_busy = percentile(idle, 50), percentile(busy, 50)
+        label = "interactive TTFT p50 idle / in batch" + ("" if name == "yield" else ", no yield")
+        print(f"{label:<50}{p_idle:>10.1f}{p_busy:>10.1f} ms  ratio {p_busy / p_idle:.2f}")
 
 
 def main() -> None:
@@ -142,6 +166,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--ttft-requests", type=int, default=20)
+    parser.add_argument(
+        "--no-compare", action="store_true", help="skip the worker with --no-batch-yield"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-batches-"))
     model = args.model
@@ -149,13 +176,27 @@ def main() -> None:
         from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(tmp / "tiny"))
-    prefix = f"benchb{uuid.uuid4().hex[:6]}"
+    run = uuid.uuid4().hex[:6]
+    prefixes = {"yield": f"benchb{run}"}
+    worker_args = {"yield": [], "plain": ["--no-batch-yield", "--reserved-slots", "0"]}
+    if not args.no_compare:
+        prefixes["plain"] = f"benchp{run}"
     with RedisServer() as server:
-        fleet = LocalFleet(model, server.url, key_prefix=prefix, num_workers=1).start(300)
+        fleets = []
         try:
-            asyncio.run(measure(args, server.url, prefix))
+            for name, prefix in prefixes.items():
+                fleet = LocalFleet(
+                    model,
+                    server.url,
+                    key_prefix=prefix,
+                    num_workers=1,
+                    extra_args=worker_args[name],
+                )
+                fleets.append(fleet.start(300))
+            asyncio.run(measure(args, server.url, prefixes))
         finally:
-            fleet.stop()
+            for fleet in fleets:
+                fleet.stop()
 
 
 if __name__ == "__main__":

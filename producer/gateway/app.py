@@ -60,6 +60,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
             window=gateway_settings.batch_window,
             lease_ms=gateway_settings.batch_lease_ms,
             default_max_tokens=gateway_settings.default_max_tokens,
+            store=gateway.batches,
         )
         app.state.gateway = gateway
         loop = asyncio.get_running_loop()

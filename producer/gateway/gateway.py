@@ -79,7 +79,10 @@ class Gateway:
         self.key_store = key_store
         self.files = FileStore(client_redis, client.settings, max_bytes=settings.max_file_bytes)
         self.batches = BatchStore(
-            client_redis, client.settings, default_max_tokens=settings.default_max_tokens
+            client_redis,
+            client.settings,
+            default_max_tokens=settings.default_max_tokens,
+            lease_ms=settings.batch_lease_ms,
         )
         self.drain = drain
         self.metrics = GatewayMetrics()

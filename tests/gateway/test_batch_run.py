@@ -19,13 +19,14 @@ from batch_helpers import (
     chat_line,
     check_exactly_once,
     final,
+    jsonl,
     upload_and_create,
     wait_batch,
     with_env,
 )
 from gateway_helpers import Worker
 
-from tokenfleet.producer.gateway.batches import BatchRunner
+from tokenfleet.producer.gateway.batches import BatchRunner, BatchStore
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -293,5 +294,45 @@ def test_a_record_lost_to_a_redis_error_is_recorded_again(
         await _with_runner(env, wait(), lease_ms=1000)
         assert failed and b.status == "completed" and (b.completed, b.failed) == (6, 0)
         await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+
+    with_env(bsettings, body)
+
+
+def test_a_batch_whose_creator_died_validating_is_validated_again_and_run(
+    bsettings: Settings,
+) -> None:
+    """The creating gateway dies after recording some invalid lines: its validation lease
+    lapses, a runner validates the batch again (each invalid line still recorded once) and runs
+    it; no batch stays ``validating``."""
+    lines = [chat_line(i) for i in range(6)]
+    lines[1] = {"custom_id": "bad", "method": "GET", "url": "/v1/chat/completions", "body": {}}
+
+    async def body(env: Env) -> None:
+        store = BatchStore(env.r, env.settings, lease_ms=300)
+        validate_lines = store._validate
+
+        async def dies_half_way(
+            bid: str, endpoint: str, texts: list[str], err_id: str, token: str
+        ) -> list[dict[str, object]]:
+            await validate_lines(bid, endpoint, texts[:3], err_id, token)  # records line 1
+            raise SystemExit("the gateway died")
+
+        store._validate = dies_half_way  # type: ignore[method-assign]
+        f = await env.files.create("batch", "in.jsonl", jsonl(lines))
+        with pytest.raises(SystemExit):
+            await store.create(f.id, "/v1/chat/completions")
+        (bid,) = [b.id for b in (await env.batches.list())[0] if b.input_file_id == f.id]
+        assert (await env.batches.get(bid)).status == "validating"
+        assert await env.r.sismember(env.batches._keys.batches_active, bid)
+        runner = env.runner()
+        task = asyncio.create_task(runner.run())
+        try:
+            b = await wait_batch(env, bid, final)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert b.status == "completed", b.to_dict()
+        _, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        assert [x["custom_id"] for x in err] == ["bad"]
 
     with_env(bsettings, body)

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis
@@ -42,7 +43,12 @@ import redis.asyncio
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.batches import lines as L
-from tokenfleet.producer.gateway.batches.objects import BatchObject, FileObject, RedisHash
+from tokenfleet.producer.gateway.batches.objects import (
+    BatchObject,
+    FileObject,
+    LeaseLost,
+    RedisHash,
+)
 from tokenfleet.producer.gateway.batches.scripts import ADVANCE, LEASE, RECORD
 from tokenfleet.producer.gateway.responses import Framing, failure
 from tokenfleet.shared.errors import ModelNotServed, Overloaded, TokenfleetError, UnknownRequest
@@ -71,10 +77,8 @@ class DriveConfig:
     adapt_s: float = 0.5
     stop_wait_s: float = 10.0  # how long cancel / expiry waits for cancelled requests to end
     default_max_tokens: int = 256
-
-
-class LeaseLost(Exception):
-    """Another runner drives the batch now."""
+    # validates a batch left ``validating`` by a gateway that died (BatchStore.validate)
+    validate: Callable[[str, str], Awaitable[None]] | None = None
 
 
 class BatchDriver:
@@ -108,6 +112,9 @@ class BatchDriver:
 
     async def _drive(self) -> None:
         b = await self._read()
+        if b.status == "validating" and self.cfg.validate is not None:
+            await self.cfg.validate(self.bid, self.cfg.token)  # its creator died validating
+            b = await self._read()
         if b.final or not b.id:  # final, or its hash is gone: nothing to drive
             await self.cfg.redis.srem(self.k.batches_active, self.bid)
             return

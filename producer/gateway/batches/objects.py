@@ -18,6 +18,10 @@ RedisHash = dict[Any, Any]  # fields for HSET (redis-py types the mapping invari
 FINAL_STATUSES = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
+class LeaseLost(Exception):
+    """Another runner (or validating gateway) holds the batch's lease now."""
+
+
 class NotFound(ApiError):
     """An unknown file or batch id (404)."""
 

@@ -26,6 +26,7 @@ import redis.asyncio
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.gateway.batches.driver import BatchDriver, DriveConfig
 from tokenfleet.producer.gateway.batches.scripts import LEASE
+from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
@@ -50,9 +51,15 @@ class BatchRunner:
         lease_ms: int = DEFAULT_LEASE_MS,
         poll_s: float = 0.5,
         default_max_tokens: int = 256,
+        store: BatchStore | None = None,
     ) -> None:
+        """``store``: validates batches whose creating gateway died mid-validation (with its
+        line limits); default: a store with the default limits."""
         if window < 1 or lease_ms < 100:
             raise ValueError("window must be >= 1 and lease_ms >= 100")
+        store = store or BatchStore(
+            redis, settings, default_max_tokens=default_max_tokens, lease_ms=lease_ms
+        )
         self.cfg = DriveConfig(
             client=client,
             redis=redis,
@@ -61,6 +68,7 @@ class BatchRunner:
             lease_ms=lease_ms,
             window=window,
             default_max_tokens=default_max_tokens,
+            validate=store.validate,
         )
         self.poll_s = poll_s
         self.drivers: dict[str, BatchDriver] = {}

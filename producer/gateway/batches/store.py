@@ -4,8 +4,14 @@ Creating a batch validates every input line at once (``lines``): an invalid line
 in the batch's ledger as ``err`` and written to its error file with the reason — through the
 same ledger script the runner uses, so it counts as failed exactly once — and the valid lines
 are what the runner submits. A batch with no valid line (or over ``max_lines``) ends ``failed``
-with ``errors``; otherwise it becomes ``in_progress`` and joins the active set the runners
-watch. ``completion_window`` is ``<N>h`` or ``<N>m`` (OpenAI accepts only ``24h``).
+with ``errors``; otherwise it becomes ``in_progress``. ``completion_window`` is ``<N>h`` or
+``<N>m`` (OpenAI accepts only ``24h``).
+
+A batch joins the active set the runners watch when it is created, still ``validating``, with
+its lease held by the validating gateway (renewed as validation goes on): if that gateway dies
+mid-validation the lease lapses and a runner validates the batch again (``validate``; the ledger
+keeps every invalid line's record single) and drives it, so no batch stays ``validating``.
+Status changes out of ``validating`` happen only while it still is (a cancel meanwhile wins).
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import redis.asyncio
 
 from tokenfleet.producer.gateway.batches import lines as L
 from tokenfleet.producer.gateway.batches.files import FileStore, new_file_id
-from tokenfleet.producer.gateway.batches.objects import BatchObject, NotFound, RedisHash
-from tokenfleet.producer.gateway.batches.scripts import CANCEL, RECORD
+from tokenfleet.producer.gateway.batches.objects import BatchObject, LeaseLost, NotFound, RedisHash
+from tokenfleet.producer.gateway.batches.scripts import CANCEL, LEASE, RECORD
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.shared.errors import UnknownRequest
 from tokenfleet.shared.keys import Keys
@@ -65,8 +71,10 @@ class BatchStore:
         max_line_bytes: int = L.DEFAULT_MAX_LINE_BYTES,
         max_lines: int = DEFAULT_MAX_LINES,
         default_max_tokens: int = 256,
+        lease_ms: int = 10_000,
     ) -> None:
         self._r = redis
+        self.lease_ms = lease_ms  # the validation lease (as the runners' batch lease)
         self._keys = Keys(settings.key_prefix)
         self._files = FileStore(redis, settings)
         self.max_line_bytes = max_line_bytes
@@ -114,26 +122,65 @@ class BatchStore:
             "out_id": new_file_id(),  # where the runner writes; exposed once final
             "err_id": new_file_id(),
         }
+        token = "create-" + os.urandom(12).hex()
         pipe = self._r.pipeline(transaction=True)
         pipe.hset(self._keys.batch(bid), mapping=fields)
         pipe.zadd(self._keys.batches, {bid: time.time()})  # sub-second: a stable order
+        pipe.set(self._keys.batch_lease(bid), token, px=self.lease_ms)
+        pipe.sadd(self._keys.batches_active, bid)
         await pipe.execute()
-        errors = await self._validate(bid, endpoint, texts, str(fields["err_id"]))
-        valid = len(texts) - len(errors)
-        if len(texts) > self.max_lines or valid == 0:
-            await self._fail(bid, errors, len(texts))
-        else:
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hset(
-                self._keys.batch(bid),
-                mapping={"status": "in_progress", "in_progress_at": int(time.time())},
-            )
-            pipe.sadd(self._keys.batches_active, bid)
-            await pipe.execute()
+        await self.validate(bid, token, texts)
+        await acall(self._r, LEASE, [self._keys.batch_lease(bid)], [token, 0])  # runners' turn
         return await self.get(bid)
 
+    async def validate(self, bid: str, token: str, texts: list[str] | None = None) -> None:
+        """Validate a ``validating`` batch's lines and move it on (``in_progress`` or
+        ``failed``), renewing the lease ``token`` holds as it goes; a batch in another status
+        is left alone. Safe to run again after a crash (the ledger records each line once).
+        ``LeaseLost`` (from ``driver``) when another holder took the lease meanwhile."""
+        raw = await self._r.hgetall(self._keys.batch(bid))
+        b = BatchObject.from_hash(raw) if raw else None
+        if b is None or b.status != "validating":
+            return
+        if texts is None:
+            texts = await self._files.lines(b.input_file_id)
+        err_id = as_str(raw.get(b"err_id")) or ""
+        errors = await self._validate(bid, b.endpoint, texts, err_id, token)
+        valid = len(texts) - len(errors)
+        if len(texts) > self.max_lines or valid == 0:
+            await self._leave_validating(
+                bid,
+                {
+                    "status": "failed",
+                    "failed_at": int(time.time()),
+                    "errors": orjson.dumps(errors[:_MAX_LISTED_ERRORS]).decode(),
+                },
+            )
+        else:
+            await self._leave_validating(
+                bid, {"status": "in_progress", "in_progress_at": int(time.time())}
+            )
+
+    async def _leave_validating(self, bid: str, mapping: RedisHash) -> None:
+        """Set ``mapping`` on the batch only while it is ``validating`` (WATCH; one key)."""
+        key = self._keys.batch(bid)
+        async with self._r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(key)
+                    if as_str(await pipe.hget(key, "status")) != "validating":
+                        return
+                    pipe.multi()
+                    pipe.hset(key, mapping=mapping)
+                    if mapping["status"] == "failed":  # final: nothing for runners to drive
+                        pipe.srem(self._keys.batches_active, bid)
+                    await pipe.execute()
+                    return
+                except redis.WatchError:
+                    continue  # it changed (a cancel?): look again
+
     async def _validate(
-        self, bid: str, endpoint: str, texts: list[str], err_id: str
+        self, bid: str, endpoint: str, texts: list[str], err_id: str, token: str
     ) -> list[dict[str, Any]]:
         """Record every invalid line (ledger ``err`` + error file); their errors."""
         errors: list[dict[str, Any]] = []
@@ -144,9 +191,12 @@ class BatchStore:
             self._keys.file_lines(""),  # never written: "err" lines go to KEYS[4]
             self._keys.file_lines(err_id),
         ]
+        lease = [self._keys.batch_lease(bid)]
         for i, text in enumerate(texts):
             if i % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)
+                if (await acall(self._r, LEASE, lease, [token, self.lease_ms]))[0] != "ok":
+                    raise LeaseLost(f"batch {bid}: the validation lease was taken over")
             custom_id = L.custom_id_of(text)
             try:
                 if len(texts) > self.max_lines:
@@ -170,19 +220,6 @@ class BatchStore:
                 # one call each: invalid lines are few, and this is the runner's script
                 await acall(self._r, RECORD, record_keys, [i, "err", out])
         return errors
-
-    async def _fail(self, bid: str, errors: list[dict[str, Any]], total: int) -> None:
-        now = int(time.time())
-        pipe = self._r.pipeline(transaction=True)
-        pipe.hset(
-            self._keys.batch(bid),
-            mapping={
-                "status": "failed",
-                "failed_at": now,
-                "errors": orjson.dumps(errors[:_MAX_LISTED_ERRORS]).decode(),
-            },
-        )
-        await pipe.execute()
 
     async def get(self, batch_id: str) -> BatchObject:
         """The batch (``NotFound`` for an unknown id)."""
