@@ -20,6 +20,8 @@ import argparse
 import time
 from typing import Any
 
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
+
 SILENT_AFTER_S = 3.0  # a heartbeat older than this (beats come every second) is silent
 
 
@@ -30,7 +32,7 @@ def register(subparsers: Any) -> None:
         description="Show live workers (heartbeat age, running and "
         "waiting requests, KV use) and every queue's length.",
     )
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--watch",
@@ -185,12 +187,11 @@ def _redis_flag(w: dict[str, Any]) -> str:
 
 def func(args: argparse.Namespace) -> int:
     import orjson
-    import redis
 
-    from tokenfleet.shared.settings import Settings
+    from tokenfleet.shared.redis_connect import redis_client
 
-    settings = Settings.from_env().with_url(args.redis_url)
-    client = redis.Redis.from_url(settings.redis_url)
+    settings = settings_from_flags(args)
+    client = redis_client(settings)
     try:
         while True:
             snap = snapshot(client, settings)

@@ -1,0 +1,90 @@
+"""The one place every tokenfleet process builds its Redis clients (sync and asyncio).
+
+``redis_client(settings)`` / ``async_redis_client(settings)`` read ``Settings.redis_mode``:
+
+- ``standalone``: ``redis.Redis.from_url(settings.redis_url, **settings.redis_options())``, as
+  every process did before there were modes.
+- ``sentinel``: the primary of ``settings.sentinel_service`` as the ``settings.sentinels`` report
+  it (redis-py's ``Sentinel.master_for``). ``redis_url`` still gives the database number, the
+  username and password, and TLS (``rediss://`` and its ``ssl_*`` query options); its host and
+  port are ignored. The client's pool is a ``SentinelConnectionPool``: each new connection asks
+  the sentinels where the primary is, and a connection that gets ``READONLY`` (a demoted primary)
+  is closed and raised as a ``ConnectionError``, so the callers' outage handling (the worker's
+  loop, a handle's retries) reconnects to the new primary. A connection built from the pool's
+  ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``)
+  resolves the primary the same way.
+- ``cluster``: refused with ``SettingsError`` (cluster mode needs a key design, pending).
+
+Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
+setting switches all of them (tests/ha checks the full path in sentinel mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
+from redis.connection import parse_url
+
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.settings import Settings
+
+CLUSTER_REFUSAL = (
+    "TOKENFLEET_REDIS_MODE=cluster is not supported yet: tokenfleet's keys are not yet laid out "
+    "in hash slots for Redis Cluster (key design pending, issue 20); use standalone or sentinel"
+)
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """A sync client with its own connection pool, in the settings' mode."""
+    if settings.redis_mode == "sentinel":
+        sentinel = redis.sentinel.Sentinel(
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+        )
+        return sentinel.master_for(settings.sentinel_service, **_primary_kwargs(settings))
+    _refuse_cluster(settings)
+    return redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+
+
+def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
+    """An asyncio client with its own connection pool, in the settings' mode."""
+    if settings.redis_mode == "sentinel":
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+        )
+        return sentinel.master_for(settings.sentinel_service, **_primary_kwargs(settings))
+    _refuse_cluster(settings)
+    return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+
+
+def _refuse_cluster(settings: Settings) -> None:
+    if settings.redis_mode == "cluster":
+        raise SettingsError(CLUSTER_REFUSAL)
+
+
+def _primary_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection options for the primary: the URL's db, credentials and TLS, and the timeouts.
+    The URL's host and port are dropped (the sentinels name the primary)."""
+    from_url = parse_url(settings.redis_url)
+    connection_class = from_url.pop("connection_class", None)
+    for name in ("host", "port", "path"):
+        from_url.pop(name, None)
+    if connection_class is not None and issubclass(connection_class, redis.SSLConnection):
+        from_url["ssl"] = True  # the sentinel pool then picks its SSL connection class
+    return {**from_url, **settings.redis_options()}
+
+
+def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
+    """Options for the connections to the sentinels themselves: timeouts, their own auth."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+    }
+    if settings.sentinel_username:
+        kwargs["username"] = settings.sentinel_username
+    if settings.sentinel_password:
+        kwargs["password"] = settings.sentinel_password
+    return kwargs
