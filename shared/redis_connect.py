@@ -11,8 +11,9 @@
   the sentinels where the primary is, and a connection that gets ``READONLY`` (a demoted primary)
   is closed and raised as a ``ConnectionError``, so the callers' outage handling (the worker's
   loop, a handle's retries) reconnects to the new primary. A connection built from the pool's
-  ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``)
-  resolves the primary the same way.
+  ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``,
+  the producer's pub/sub connection) resolves the primary the same way
+  (``shared.sentinel_connection``).
 - ``cluster``: refused with ``SettingsError`` (cluster mode needs a key design, pending).
 
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
@@ -30,6 +31,12 @@ import redis.sentinel
 from redis.connection import parse_url
 
 from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.sentinel_connection import (
+    AsyncPrimaryConnection,
+    AsyncPrimarySSLConnection,
+    PrimaryConnection,
+    PrimarySSLConnection,
+)
 from tokenfleet.shared.settings import Settings
 
 CLUSTER_REFUSAL = (
@@ -44,7 +51,8 @@ def redis_client(settings: Settings) -> redis.Redis:
         sentinel = redis.sentinel.Sentinel(
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
-        return sentinel.master_for(settings.sentinel_service, **_primary_kwargs(settings))
+        kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
+        return sentinel.master_for(settings.sentinel_service, **kwargs)
     _refuse_cluster(settings)
     return redis.Redis.from_url(settings.redis_url, **settings.redis_options())
 
@@ -55,7 +63,8 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         sentinel = redis.asyncio.sentinel.Sentinel(
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
-        return sentinel.master_for(settings.sentinel_service, **_primary_kwargs(settings))
+        kwargs = _primary_kwargs(settings, AsyncPrimaryConnection, AsyncPrimarySSLConnection)
+        return sentinel.master_for(settings.sentinel_service, **kwargs)
     _refuse_cluster(settings)
     return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
 
@@ -65,15 +74,16 @@ def _refuse_cluster(settings: Settings) -> None:
         raise SettingsError(CLUSTER_REFUSAL)
 
 
-def _primary_kwargs(settings: Settings) -> dict[str, Any]:
-    """Connection options for the primary: the URL's db, credentials and TLS, and the timeouts.
-    The URL's host and port are dropped (the sentinels name the primary)."""
+def _primary_kwargs(settings: Settings, plain: type, tls: type) -> dict[str, Any]:
+    """Connection options for the primary: the URL's db, credentials and TLS (``tls`` as the
+    connection class for ``rediss://``, else ``plain``), and the timeouts. The URL's host and
+    port are dropped (the sentinels name the primary)."""
     from_url = parse_url(settings.redis_url)
-    connection_class = from_url.pop("connection_class", None)
+    url_class = from_url.pop("connection_class", None)
     for name in ("host", "port", "path"):
         from_url.pop(name, None)
-    if connection_class is not None and issubclass(connection_class, redis.SSLConnection):
-        from_url["ssl"] = True  # the sentinel pool then picks its SSL connection class
+    is_tls = url_class is not None and issubclass(url_class, redis.SSLConnection)
+    from_url["connection_class"] = tls if is_tls else plain
     return {**from_url, **settings.redis_options()}
 
 

@@ -6,7 +6,9 @@ on a line of its own ("waiting on model X: N requests, no live worker").
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
-``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
+``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
+carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
+figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
 
 Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
 so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
@@ -49,6 +51,7 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     from tokenfleet.producer import Client
     from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.record import as_str
+    from tokenfleet.worker.commands.stream_lag import queue_lags
 
     keys = Keys(settings.key_prefix)
     now = time.time()
@@ -88,6 +91,8 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
         models = [m.to_dict() for m in producer.models()]
     finally:
         producer.close()
+    for queue, lag in zip(queues, queue_lags(client, keys, queues), strict=True):
+        queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA's scaler reads
     dead = client.xlen(keys.dead_letter)
     return {
         "prefix": settings.key_prefix,
