@@ -34,8 +34,10 @@ from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.sentinel_connection import (
     AsyncPrimaryConnection,
     AsyncPrimarySSLConnection,
+    AsyncSentinelRedis,
     PrimaryConnection,
     PrimarySSLConnection,
+    SentinelRedis,
 )
 from tokenfleet.shared.settings import Settings
 
@@ -52,7 +54,7 @@ def redis_client(settings: Settings) -> redis.Redis:
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
         kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
-        return sentinel.master_for(settings.sentinel_service, **kwargs)
+        return sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
     _refuse_cluster(settings)
     return redis.Redis.from_url(settings.redis_url, **settings.redis_options())
 
@@ -64,7 +66,9 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
         kwargs = _primary_kwargs(settings, AsyncPrimaryConnection, AsyncPrimarySSLConnection)
-        return sentinel.master_for(settings.sentinel_service, **kwargs)
+        return sentinel.master_for(
+            settings.sentinel_service, redis_class=AsyncSentinelRedis, **kwargs
+        )
     _refuse_cluster(settings)
     return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import redis
+import redis.asyncio
 import redis.asyncio.sentinel
 import redis.sentinel
 
@@ -47,3 +49,24 @@ class AsyncPrimarySSLConnection(
     AsyncPrimaryConnection, redis.asyncio.sentinel.SentinelManagedSSLConnection
 ):
     """Asyncio, TLS."""
+
+
+class SentinelRedis(redis.Redis):
+    """A sync client whose ``close()`` also closes the connections to the sentinels (redis-py
+    leaves them to the ``Sentinel`` object, which only this client references)."""
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.connection_pool.sentinel_manager.close()
+
+
+class AsyncSentinelRedis(redis.asyncio.Redis):
+    """The asyncio twin of :class:`SentinelRedis` (``aclose()``)."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        try:
+            await super().aclose(close_connection_pool)
+        finally:
+            await self.connection_pool.sentinel_manager.aclose()
