@@ -59,7 +59,8 @@ class SentinelRedis(redis.Redis):
         try:
             super().close()
         finally:
-            self.connection_pool.sentinel_manager.close()
+            pool: Any = self.connection_pool  # a SentinelConnectionPool (master_for)
+            pool.sentinel_manager.close()
 
 
 class AsyncSentinelRedis(redis.asyncio.Redis):
@@ -69,4 +70,5 @@ class AsyncSentinelRedis(redis.asyncio.Redis):
         try:
             await super().aclose(close_connection_pool)
         finally:
-            await self.connection_pool.sentinel_manager.aclose()
+            pool: Any = self.connection_pool  # a SentinelConnectionPool (master_for)
+            await pool.sentinel_manager.aclose()

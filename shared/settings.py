@@ -143,13 +143,13 @@ class Settings:
     ) -> Settings:
         """A copy with the given connection settings replaced (the CLI's Redis flags); ``None``
         keeps the current value. Validated again as a whole."""
-        given = {
+        given: dict[str, str | None] = {
             "redis_url": redis_url,
             "redis_mode": redis_mode,
             "sentinels": sentinels,
             "sentinel_service": sentinel_service,
         }
-        changes = {k: v for k, v in given.items() if v}
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v}
         return replace(self, **changes) if changes else self
 
     def sentinel_addresses(self) -> list[tuple[str, int]]:

@@ -112,9 +112,8 @@ class LocalSentinel:
 
         def switched() -> bool:
             ports = {self._master_port(p) for p in self.sentinel_ports}
-            if len(ports) != 1 or old in ports or None in ports:
-                return False
-            return self._role(ports.pop()) == "master"
+            new = ports.pop() if len(ports) == 1 else None
+            return new is not None and new != old and self._role(new) == "master"
 
         self._wait(switched, "the failover", timeout_s)
         return self.primary_port()
