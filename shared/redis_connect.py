@@ -16,6 +16,9 @@
   (``shared.sentinel_connection``).
 - ``cluster``: refused with ``SettingsError`` (cluster mode needs a key design, pending).
 
+The sync client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
+worker's pipelines then end each round trip with ``WAIT``.
+
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
 setting switches all of them (tests/ha checks the full path in sentinel mode).
 """
@@ -30,6 +33,7 @@ import redis.asyncio.sentinel
 import redis.sentinel
 from redis.connection import parse_url
 
+from tokenfleet.shared import replica_wait
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.sentinel_connection import (
     AsyncPrimaryConnection,
@@ -54,9 +58,11 @@ def redis_client(settings: Settings) -> redis.Redis:
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
         kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
-        return sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
-    _refuse_cluster(settings)
-    return redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+        client = sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
+    else:
+        _refuse_cluster(settings)
+        client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    return replica_wait.attach(client, _wait(settings))
 
 
 def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
@@ -71,6 +77,12 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         )
     _refuse_cluster(settings)
     return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+
+
+def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:
+    if settings.redis_wait_replicas <= 0:
+        return None
+    return replica_wait.ReplicaWait(settings.redis_wait_replicas, settings.redis_wait_ms)
 
 
 def _refuse_cluster(settings: Settings) -> None:

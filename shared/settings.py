@@ -49,6 +49,11 @@ class Settings:
         sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
         sentinel_username: ACL user for the sentinels themselves, if they require auth.
         sentinel_password: password for the sentinels themselves, if they require auth.
+        redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
+            starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
+            counts as a lost connection and is sent again after reconnecting
+            (``shared.replica_wait``; README, "Redis modes": what a failover may lose).
+        redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -65,6 +70,8 @@ class Settings:
     sentinel_service: str = ""
     sentinel_username: str = ""
     sentinel_password: str = ""
+    redis_wait_replicas: int = 0
+    redis_wait_ms: int = 500
 
     def __post_init__(self) -> None:
         validate_redis_url(self.redis_url)
@@ -81,13 +88,15 @@ class Settings:
             "redis_socket_timeout_s",
             "redis_connect_timeout_s",
             "redis_health_check_s",
+            "redis_wait_ms",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
-        retry = self.redis_retry_s
-        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
-            raise SettingsError(f"redis_retry_s must be an integer >= 0, got {retry!r}")
+        for name in ("redis_retry_s", "redis_wait_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SettingsError(f"{name} must be an integer >= 0, got {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

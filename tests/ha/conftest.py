@@ -67,12 +67,12 @@ class HAWorker:
 
     def __init__(
         self, model_dir: Path, setup: LocalSentinel, prefix: str, name: str, log_dir: Path,
-        *extra: str,
+        *extra: str, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.name = name
         self.keys = Keys(prefix)
         self.log_path = log_dir / f"{name}.log"
-        env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
+        env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
         for var in ("REDIS_URL", "TOKENFLEET_MODEL", "TOKENFLEET_REDIS_MODE"):
             env.pop(var, None)
         args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model",

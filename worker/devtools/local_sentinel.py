@@ -104,8 +104,9 @@ class LocalSentinel:
         return f"redis://127.0.0.1:{port}/0"
 
     def failover(self, timeout_s: float = 30.0) -> int:
-        """``SENTINEL FAILOVER`` and wait until every sentinel names the new primary and it
-        accepts writes; returns the new primary's port."""
+        """``SENTINEL FAILOVER`` and wait until every sentinel names the new primary, it accepts
+        writes, and the old primary (if alive) has been turned into its replica (until then
+        the old one still takes writes that the switch will discard); returns the new port."""
         old = self.primary_port()
         with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
             s.execute_command("SENTINEL", "FAILOVER", self.service)
@@ -113,7 +114,9 @@ class LocalSentinel:
         def switched() -> bool:
             ports = {self._master_port(p) for p in self.sentinel_ports}
             new = ports.pop() if len(ports) == 1 else None
-            return new is not None and new != old and self._role(new) == "master"
+            if new is None or new == old or self._role(new) != "master":
+                return False
+            return self.procs[old].poll() is not None or self._role(old) == "slave"
 
         self._wait(switched, "the failover", timeout_s)
         return self.primary_port()
