@@ -121,3 +121,25 @@ def test_every_kind_of_connection_reaches_the_primary_the_sentinels_name(
             await aclient.aclose()
 
     assert asyncio.run(ping_async())
+
+
+def test_a_round_trip_no_replica_confirms_counts_as_a_lost_connection(redis_url: str) -> None:
+    from tokenfleet.shared.replica_wait import ReplicationLagged
+    from tokenfleet.worker.pipelined import ScriptPipeline
+
+    with pytest.raises(SettingsError, match="redis_wait_replicas"):
+        Settings(redis_wait_replicas=-1)
+    plain = redis_client(Settings(redis_url=redis_url))
+    waiting = redis_client(Settings(redis_url=redis_url, redis_wait_replicas=1, redis_wait_ms=50))
+    try:
+        pipe = ScriptPipeline(plain)
+        pipe.command("PING")
+        assert pipe.execute() in ([b"PONG"], [True])  # no WAIT asked: the replies as they are
+        pipe = ScriptPipeline(waiting)  # the private server has no replica: WAIT answers 0
+        pipe.command("PING")
+        with pytest.raises(ReplicationLagged, match="0 replicas confirmed"):
+            pipe.execute()
+        assert waiting.ping()  # the pool is usable again: that connection was dropped
+    finally:
+        plain.close()
+        waiting.close()
