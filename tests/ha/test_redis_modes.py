@@ -58,6 +58,7 @@ def test_cluster_mode_is_accepted_in_settings_but_refused_when_connecting() -> N
 
 
 def test_the_cli_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://:pw@127.0.0.1:1/2")  # (the suite's may be unix://)
     for var, value in SENTINEL_ENV.items():
         monkeypatch.setenv(var, value)
     parser = argparse.ArgumentParser()
