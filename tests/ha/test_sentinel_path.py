@@ -1,6 +1,7 @@
 """The full path in sentinel mode: producer and two real workers reach the primary only through
 the sentinels (their URLs name a port where nothing listens). Submit -> worker -> stream, cancel,
-both overflow policies, the KV pool, KEDA's lag figure, and crash recovery (SIGKILL of the worker
+both overflow policies, the KV pool, KEDA's lag figure, the gateway (`tokenfleet serve` with the
+sentinel flags, driven by the openai SDK), and crash recovery (SIGKILL of the worker
 holding a request; the other resumes it gap-free). The tests run in file order on one module
 fleet; the crash test, which kills a worker, comes last."""
 
@@ -162,6 +163,53 @@ def test_kv_pool_members_through_the_sentinels(fleet: Fleet) -> None:
     members = {m["name"] for m in snap["members"]}
     assert members == {w.name for w in fleet.workers}
     assert sum(m["held"] for m in snap["members"]) == snap["held"] <= snap["total"]
+
+
+def test_the_gateway_serves_through_the_sentinels(fleet: Fleet, tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": PREFIX}
+    env.pop("REDIS_URL", None)
+    args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
+            "--log-level", "warning", *sentinel_flags(fleet.setup)]  # fmt: skip
+    with open(tmp_path / "gateway.log", "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError((tmp_path / "gateway.log").read_text())
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, "the gateway's /health")
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        whole = sdk.completions.create(model="default", prompt="Sentinel", max_tokens=6, seed=1)
+        parts = [
+            c.choices[0].text
+            for c in sdk.completions.create(
+                model="default", prompt="Sentinel", max_tokens=6, seed=1, stream=True
+            )
+            if c.choices
+        ]
+        assert whole.choices[0].finish_reason == "length"
+        assert "".join(parts) == whole.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 def test_a_killed_worker_s_request_resumes_on_the_other_gap_free(fleet: Fleet) -> None:
