@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import redis
-from conftest import DEADLINE_S, HAWorker, ha_settings, wait_for
+from ha_helpers import DEADLINE_S, HAWorker, ha_settings, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys

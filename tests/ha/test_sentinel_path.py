@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from conftest import DEADLINE_S, HAWorker, ha_settings, sentinel_flags, wait_for
+from ha_helpers import DEADLINE_S, HAWorker, ha_settings, sentinel_flags, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.errors import Overloaded
