@@ -87,13 +87,13 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
 
         wait_for(some_done_some_running, "the run to be under way")
         old = sentinel_setup.primary_port()
-        new = sentinel_setup.failover()
-        after = [
+        before = [
             RequestRecord.from_hash(h.request_id, r.hgetall(Keys(PREFIX).record(h.request_id)))
             for h in handles
         ]
-        in_flight = sum(1 for x in after if x is None or x.status != "done")
-        assert in_flight, "the failover came after the run: no load to ride out"
+        in_flight = sum(1 for x in before if x is None or x.status != "done")
+        assert in_flight, "the run ended before the failover: no load to ride out"
+        new = sentinel_setup.failover()
         for t in threads:
             t.join(DEADLINE_S)
         assert not errors, errors
@@ -109,7 +109,7 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         assert len(ended[rid]) == 1 and events[-1] is ended[rid][0]
         gap_free += 1
     print(
-        f"failover {old} -> {new} with {in_flight} requests not done: "
+        f"failover {old} -> {new} with {in_flight} requests not done when asked: "
         f"{len(streams)}/{NUM_REQUESTS} requests ended once "
         f"({statuses.count('done')} done), {gap_free} streams gap-free and duplicate-free, "
         f"{gap_free * MAX_TOKENS} tokens"
