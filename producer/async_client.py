@@ -23,6 +23,7 @@ from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.schema import Event
 from tokenfleet.shared.settings import Settings
 
@@ -53,8 +54,8 @@ class AsyncClient(ClientCore[AsyncHandle]):
         self._run = AsyncDriver(redis_client, subscriber).run
 
     @staticmethod
-    def _redis_from_url(url: str, options: dict[str, Any]) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis.from_url(url, **options)
+    def _redis_for(settings: Settings) -> redis.asyncio.Redis:
+        return async_redis_client(settings)
 
     def _new_handle(
         self, request_id: str, subscription: Mailbox | None, deadline: float | None

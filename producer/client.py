@@ -23,6 +23,7 @@ from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.schema import Event
 from tokenfleet.shared.settings import Settings
 
@@ -60,8 +61,8 @@ class Client(ClientCore[Handle]):
         self._run = SyncDriver(redis_client, subscriber).run
 
     @staticmethod
-    def _redis_from_url(url: str, options: dict[str, Any]) -> redis.Redis:
-        return redis.Redis.from_url(url, **options)
+    def _redis_for(settings: Settings) -> redis.Redis:
+        return redis_client(settings)
 
     def _new_handle(
         self, request_id: str, subscription: Mailbox | None, deadline: float | None

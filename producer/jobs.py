@@ -29,9 +29,10 @@ ON_OVERLOAD = ("skip", "fail")
 
 
 def _client(redis_url: str | None) -> Client:
-    """tokenfleet's Redis: ``redis_url``, else ``REDIS_URL``, else the rq worker's Redis."""
+    """tokenfleet's Redis: ``redis_url``, else ``REDIS_URL`` (or the sentinel-mode settings),
+    else the rq worker's Redis."""
     settings = Settings.from_env()
-    if redis_url or os.environ.get("REDIS_URL"):
+    if redis_url or os.environ.get("REDIS_URL") or settings.redis_mode != "standalone":
         return Client.from_url(redis_url or settings.redis_url, settings=settings)
     job = get_current_job()
     if job is not None and isinstance(job.connection, redis.Redis):

@@ -41,6 +41,19 @@ class Settings:
         redis_retry_s: how long a process rides out an outage (Redis restarting, stalled or
             unreachable) before it gives up: a handle raises ``RedisUnavailable``, a worker exits
             with status 5; 0 keeps trying forever.
+        redis_mode: how clients reach Redis (``shared.redis_connect`` builds them all):
+            ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
+            ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
+            ``cluster`` (accepted here, refused when a client is built: not supported yet).
+        sentinels: ``host:port,host:port,...`` of the Sentinel processes (sentinel mode).
+        sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
+        sentinel_username: ACL user for the sentinels themselves, if they require auth.
+        sentinel_password: password for the sentinels themselves, if they require auth.
+        redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
+            starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
+            counts as a lost connection and is sent again after reconnecting
+            (``shared.replica_wait``; README, "Redis modes": what a failover may lose).
+        redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -52,9 +65,17 @@ class Settings:
     redis_connect_timeout_s: int = 5
     redis_health_check_s: int = 30
     redis_retry_s: int = 300
+    redis_mode: str = "standalone"
+    sentinels: str = ""
+    sentinel_service: str = ""
+    sentinel_username: str = ""
+    sentinel_password: str = ""
+    redis_wait_replicas: int = 0
+    redis_wait_ms: int = 500
 
     def __post_init__(self) -> None:
         validate_redis_url(self.redis_url)
+        validate_mode(self)
         if not _PREFIX_RE.match(self.key_prefix):
             raise SettingsError(
                 f"key prefix {self.key_prefix!r} must be 1-64 characters of letters, digits, "
@@ -67,13 +88,15 @@ class Settings:
             "redis_socket_timeout_s",
             "redis_connect_timeout_s",
             "redis_health_check_s",
+            "redis_wait_ms",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise SettingsError(f"{name} must be a positive integer, got {value!r}")
-        retry = self.redis_retry_s
-        if not isinstance(retry, int) or isinstance(retry, bool) or retry < 0:
-            raise SettingsError(f"redis_retry_s must be an integer >= 0, got {retry!r}")
+        for name in ("redis_retry_s", "redis_wait_replicas"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SettingsError(f"{name} must be an integer >= 0, got {value!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -119,6 +142,29 @@ class Settings:
         """A copy with ``redis_url`` replaced when one is given (CLI ``--redis-url``)."""
         return self if not redis_url else replace(self, redis_url=redis_url)
 
+    def with_redis(
+        self,
+        *,
+        redis_url: str | None = None,
+        redis_mode: str | None = None,
+        sentinels: str | None = None,
+        sentinel_service: str | None = None,
+    ) -> Settings:
+        """A copy with the given connection settings replaced (the CLI's Redis flags); ``None``
+        keeps the current value. Validated again as a whole."""
+        given: dict[str, str | None] = {
+            "redis_url": redis_url,
+            "redis_mode": redis_mode,
+            "sentinels": sentinels,
+            "sentinel_service": sentinel_service,
+        }
+        changes: dict[str, Any] = {k: v for k, v in given.items() if v}
+        return replace(self, **changes) if changes else self
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """``sentinels`` as ``(host, port)`` pairs (validated in ``__post_init__``)."""
+        return parse_sentinels(self.sentinels)
+
 
 # Variables read by other components (the worker's own settings); Settings must not reject them.
 _ENV_OWNED_ELSEWHERE = frozenset(
@@ -150,8 +196,22 @@ _ENV_OWNED_ELSEWHERE = frozenset(
 _ENV_PREFIXES_OWNED_ELSEWHERE = ("gateway_",)
 
 
+_STRING_SETTINGS = frozenset(
+    {
+        "redis_url",
+        "key_prefix",
+        "redis_mode",
+        "sentinels",
+        "sentinel_service",
+        "sentinel_username",
+        "sentinel_password",
+    }
+)
+REDIS_MODES = ("standalone", "sentinel", "cluster")
+
+
 def _parse(name: str, raw: str, var: str) -> Any:
-    if name in ("redis_url", "key_prefix"):
+    if name in _STRING_SETTINGS:
         return raw
     try:
         return int(raw)
@@ -174,3 +234,47 @@ def validate_redis_url(url: str) -> str:
     if parsed.scheme != "unix" and not parsed.hostname:
         raise SettingsError(f"redis URL {url!r} names no host")
     return url
+
+
+def parse_sentinels(text: str) -> list[tuple[str, int]]:
+    """``host:port,host:port,...`` as pairs; raise ``SettingsError`` naming the bad entry.
+    An IPv6 host is written in brackets (``[::1]:26379``)."""
+    pairs: list[tuple[str, int]] = []
+    for entry in (part.strip() for part in text.split(",")):
+        host, sep, port = entry.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not entry or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingsError(
+                f"sentinel list {text!r}: entry {entry!r} is not host:port "
+                "(TOKENFLEET_SENTINELS / --sentinels take host:port,host:port,...)"
+            )
+        pairs.append((host, int(port)))
+    return pairs
+
+
+def validate_mode(settings: Settings) -> None:
+    """Check ``redis_mode`` and, in sentinel mode, the sentinel list and service name."""
+    mode = settings.redis_mode
+    if mode not in REDIS_MODES:
+        raise SettingsError(
+            f"redis mode {mode!r} is not one of {', '.join(REDIS_MODES)} "
+            "(TOKENFLEET_REDIS_MODE / --redis-mode)"
+        )
+    if mode != "sentinel":
+        return
+    if not settings.sentinels:
+        raise SettingsError(
+            "sentinel mode needs the sentinels: set TOKENFLEET_SENTINELS or pass --sentinels "
+            "host:port,host:port,..."
+        )
+    parse_sentinels(settings.sentinels)
+    if not settings.sentinel_service:
+        raise SettingsError(
+            "sentinel mode needs the monitored service's name: set TOKENFLEET_SENTINEL_SERVICE "
+            "or pass --sentinel-service"
+        )
+    if urlparse(settings.redis_url).scheme == "unix":
+        raise SettingsError(
+            "sentinel mode reaches the primary over TCP: REDIS_URL may give db, credentials "
+            "and TLS (redis:// or rediss://) but not a unix socket"
+        )

@@ -78,3 +78,26 @@ def test_gateway_serves_on_all_interfaces_with_a_health_check() -> None:
     assert "0.0.0.0" in gateway["command"]
     assert "/health" in " ".join(gateway["healthcheck"]["test"])
     assert gateway["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_the_sentinel_profile_starts_a_primary_a_replica_three_sentinels_and_workers() -> None:
+    from tokenfleet.shared.settings import Settings
+
+    assert not {"redis-primary", "sentinel-1", "worker-sentinel"} & set(_config()["services"])
+    services = _config("--profile", "sentinel")["services"]
+    sentinels = [f"sentinel-{i}" for i in (1, 2, 3)]
+    assert {"redis-primary", "redis-replica", "worker-sentinel", *sentinels} <= set(services)
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1 :][:2] == ["redis-primary", "6379"]
+    worker = services["worker-sentinel"]
+    env = worker["environment"]
+    settings = Settings.from_env({k: v for k, v in env.items() if k != "TOKENFLEET_MODEL"})
+    assert settings.redis_mode == "sentinel"
+    assert settings.sentinel_addresses() == [(name, 26379) for name in sentinels]
+    for name in sentinels:
+        script = " ".join(services[name]["entrypoint"])
+        assert f"sentinel monitor {settings.sentinel_service} redis-primary 6379 2" in script
+        assert "port 26379" in script and "--sentinel" in script
+        assert worker["depends_on"][name]["condition"] == "service_healthy"
+        assert "get-master-addr-by-name" in " ".join(services[name]["healthcheck"]["test"])
+    assert "container_name" not in worker and not worker.get("ports")  # it can scale

@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenfleet",
         description="A Redis-backed fleet of LLM inference workers. "
-        "Every command takes --redis-url (default: $REDIS_URL, else redis://localhost:6379/0).",
+        "Every command takes --redis-url (default: $REDIS_URL, else redis://localhost:6379/0) "
+        "and --redis-mode, --sentinels, --sentinel-service (README, 'Redis modes').",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in COMMANDS:

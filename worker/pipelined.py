@@ -15,7 +15,9 @@ order, each checked with ``registry.check_reply`` for scripts; any other error i
 script queued with ``raise_errors=False`` gets its error reply back instead). Between
 ``send`` and ``receive`` the pipeline holds its connection, which nothing else uses; ``receive``
 gives it back to the pool (closed if the exchange failed half way, so that no reply is left on
-it for the next user).
+it for the next user). With a replica confirmation asked for (``shared.replica_wait``), a
+round trip ends with ``WAIT`` and ``receive`` raises ``ReplicationLagged`` (a lost connection)
+when too few replicas confirmed it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import redis
 
+from tokenfleet.shared import replica_wait
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.registry import KeyOrArg, LuaScript
 
@@ -68,9 +71,11 @@ class ScriptPipeline:
 
     def __init__(self, client: redis.Redis, connection: Any = None) -> None:
         """``connection``: send on this connection (owned by the caller, never released to the
-        pool) instead of one taken from ``client``'s pool for the round trip."""
+        pool) instead of one taken from ``client``'s pool for the round trip. The replica
+        confirmation the settings ask for (``shared.replica_wait``) comes with ``client``."""
         self.client = client
         self._own = connection
+        self._wait = replica_wait.wait_of(client)
         self._commands: list[tuple[KeyOrArg, ...]] = []
         self._calls: list[tuple[LuaScript, list[KeyOrArg], list[KeyOrArg]] | None] = []
         self._tolerant: set[int] = set()  # indices whose error replies are returned, not raised
@@ -130,8 +135,11 @@ class ScriptPipeline:
             return
         pool = self.client.connection_pool
         conn = self._own if self._own is not None else pool.get_connection()
+        commands = self._commands
+        if self._wait is not None:  # last: its reply says whether the writes reached replicas
+            commands = [*commands, ("WAIT", self._wait.num_replicas, self._wait.timeout_ms)]
         try:
-            conn.send_packed_command(pack(conn, self._commands))
+            conn.send_packed_command(pack(conn, commands))
         except BaseException:
             conn.disconnect()  # a partial write leaves the protocol state unknown
             if self._own is None:
@@ -148,11 +156,13 @@ class ScriptPipeline:
             return []
         replies: list[Any] = []
         try:
-            for _ in self._commands:
+            for _ in range(len(self._commands) + (self._wait is not None)):
                 try:
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:  # an error reply: the stream stays in sync
                     replies.append(exc)
+            if self._wait is not None:
+                replica_wait.check(self._wait, replies.pop())
         except BaseException:
             conn.disconnect()  # replies may be left unread: never hand this socket out again
             raise

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 from tokenfleet.shared.settings import Settings
 
 
@@ -45,24 +46,23 @@ def register(subparsers: Any) -> None:
     lst.add_argument("--limit", type=int, default=20)
     for a in actions.choices.values():
         a.add_argument("--json", action="store_true", help="print JSON")
-        a.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+        add_redis_flags(a)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen action."""
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     return asyncio.run(_run(args, settings))
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
-    import redis.asyncio
-
     from tokenfleet.producer.async_client import AsyncClient
     from tokenfleet.producer.gateway.batches.handle import AsyncBatchHandle, submit_batch
     from tokenfleet.producer.gateway.batches.store import BatchStore
+    from tokenfleet.shared.redis_connect import async_redis_client
 
-    r = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+    r = async_redis_client(settings)
     client = AsyncClient(r, settings=settings)
     try:
         if args.action == "list":

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenfleet.producer.client import Client
 from tokenfleet.producer.commands import output
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -22,13 +22,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("request_id", metavar="ID", help="the request id (submit --detach prints it)")
     p.add_argument("--json", action="store_true", help="print the record after it as JSON")
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Cancel, then say what became of the request."""
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     with Client.from_url(settings=settings) as client:
         cancelled = client.cancel(args.request_id)
         record = client.status(args.request_id)

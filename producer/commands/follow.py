@@ -13,7 +13,7 @@ from typing import Any
 
 from tokenfleet.producer.client import Client
 from tokenfleet.producer.commands import output
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -47,13 +47,13 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="with --timeout: cancel the request when the timeout passes",
     )
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Check that the request exists, then stream it (see ``output`` for exit statuses)."""
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     until = None if args.timeout is None else time.monotonic() + args.timeout
     with Client.from_url(settings=settings) as client:
         client.status(args.request_id)  # UnknownRequest (exit 1) rather than a wait

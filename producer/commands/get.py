@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenfleet.producer.client import Client
 from tokenfleet.producer.commands import output
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -25,13 +25,13 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("request_id", metavar="ID", help="the request id (submit --detach prints it)")
     p.add_argument("--json", action="store_true", help="print the record as JSON")
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the record (``UnknownRequest``, so exit 1, when there is none)."""
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     with Client.from_url(settings=settings) as client:
         record = client.status(args.request_id)
     if args.json:

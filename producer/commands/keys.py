@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from tokenfleet.shared.priority import PRIORITIES, Priority
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -43,27 +43,26 @@ def register(subparsers: Any) -> None:
     c.add_argument("--rpm", type=int, default=0, help="requests per minute (default 0: no limit)")
     c.add_argument("--tpm", type=int, default=0, help="tokens per minute (default 0: no limit)")
     c.add_argument("--json", action="store_true", help="print JSON (the key included)")
-    c.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(c)
     c.set_defaults(func=create_func)
 
     ls = sub.add_parser("list", help="list keys, live and revoked (never their secrets)")
     ls.add_argument("--json", action="store_true", help="print JSON")
-    ls.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(ls)
     ls.set_defaults(func=list_func)
 
     r = sub.add_parser("revoke", help="revoke a key by id or name")
     r.add_argument("key", metavar="ID|NAME", help="the key's id or its (live) name")
-    r.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(r)
     r.set_defaults(func=revoke_func)
 
 
 def _admin(args: argparse.Namespace) -> tuple[Any, Any]:
-    import redis
-
     from tokenfleet.producer.gateway.auth import ApiKeyAdmin
+    from tokenfleet.shared.redis_connect import redis_client
 
-    settings = Settings.from_env().with_url(args.redis_url)
-    client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    settings = settings_from_flags(args)
+    client = redis_client(settings)
     return client, ApiKeyAdmin(client, settings)
 
 

@@ -11,7 +11,7 @@ import orjson
 from tokenfleet.producer.client import Client
 from tokenfleet.shared.priority import PRIORITIES
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG, OverflowPolicy
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -43,13 +43,13 @@ def register(subparsers: Any) -> None:
         help="what a full queue does with one more request",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Apply the settings given, then print the table (or JSON)."""
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     with Client.from_url(settings=settings) as client:
         if args.max_waiting is not None or args.policy is not None:
             for label in args.priority or [x.label for x in PRIORITIES]:

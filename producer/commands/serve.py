@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, redis_env, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -40,7 +40,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--processes", type=int, default=1, help="uvicorn worker processes")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
@@ -51,12 +51,12 @@ def run(args: argparse.Namespace) -> int:
     from tokenfleet.producer.gateway.app import create_app
     from tokenfleet.producer.gateway.settings import GatewaySettings
 
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     flags = {"host": args.host, "port": args.port, "auth": args.auth}
     flags["on_disconnect"] = args.on_disconnect
     gateway = GatewaySettings.from_env(**flags)
     if args.processes > 1:  # each process builds its own app: pass the settings by environment
-        os.environ["REDIS_URL"] = settings.redis_url
+        os.environ.update(redis_env(settings))
         for name, value in flags.items():
             if value is not None:
                 os.environ[f"TOKENFLEET_GATEWAY_{name.upper()}"] = str(value)

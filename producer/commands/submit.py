@@ -21,7 +21,7 @@ from tokenfleet.producer.client import Client
 from tokenfleet.producer.commands import output
 from tokenfleet.shared.errors import InvalidRequest, RequestFailed
 from tokenfleet.shared.priority import PRIORITIES
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 
 
 def register(subparsers: Any) -> None:
@@ -107,7 +107,7 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="print the request id and exit (then: tokenfleet get/follow/cancel ID)",
     )
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.set_defaults(func=run)
 
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     out)."""
     if args.cancel_on_timeout and args.timeout is None:
         raise InvalidRequest("--cancel-on-timeout needs --timeout")
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     request = {**_input(args), **_params(args)}
     until = None if args.timeout is None else time.monotonic() + args.timeout
     with Client.from_url(settings=settings) as client:

@@ -80,19 +80,20 @@ class ClientCore(ABC, Generic[H]):
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
-        """A client with its own connection pool; ``url`` defaults to the settings' one."""
+        """A client with its own connection pool, built in the settings' Redis mode
+        (``shared.redis_connect``); ``url`` defaults to the settings' one."""
         settings = kwargs.pop("settings", None) or Settings.from_env()
         settings = settings.with_url(url)
-        redis_client = cls._redis_from_url(settings.redis_url, settings.redis_options())
+        redis_client = cls._redis_for(settings)
         client = cls(redis_client, settings=settings, **kwargs)
         client._owns_redis = True
         return client
 
     @staticmethod
     @abstractmethod
-    def _redis_from_url(url: str, options: dict[str, Any]) -> Any:
-        """A redis client of the face's kind with its own pool (``options``: the settings'
-        timeouts, ``Settings.redis_options``)."""
+    def _redis_for(settings: Settings) -> Any:
+        """A redis client of the face's kind with its own pool, in the settings' Redis mode
+        (``shared.redis_connect``)."""
 
     @abstractmethod
     def _new_handle(

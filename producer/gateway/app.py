@@ -30,6 +30,7 @@ from tokenfleet.producer.gateway.limits import BodyLimit, CountResponses
 from tokenfleet.producer.gateway.settings import GatewaySettings
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
 
 DESCRIPTION = """OpenAI-compatible HTTP gateway of a tokenfleet fleet.
@@ -47,7 +48,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        redis_client = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+        redis_client = async_redis_client(settings)
         keys = Keys(settings.key_prefix)
         store = ApiKeyStore(redis_client, settings) if gateway_settings.auth_required else None
         drain = DrainMeter(redis_client, keys)

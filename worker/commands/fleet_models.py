@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
+
 
 def register_actions(sub: Any) -> None:
     """Add ``fleet``, ``declare`` and ``undeclare`` to the ``models`` subparsers."""
@@ -37,7 +39,7 @@ def register_actions(sub: Any) -> None:
         p.add_argument("names", nargs="+", metavar="NAME", help="served-model name")
         p.set_defaults(func=func)
     for p in (fleet, declare, undeclare):
-        p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+        add_redis_flags(p)
 
 
 def worker_counts(client: Any, keys: Any) -> Counter[str]:
@@ -53,14 +55,13 @@ def worker_counts(client: Any, keys: Any) -> Counter[str]:
 
 def _fleet(args: argparse.Namespace) -> int:
     import orjson
-    import redis
 
     from tokenfleet.producer import Client
     from tokenfleet.shared.keys import Keys
-    from tokenfleet.shared.settings import Settings
+    from tokenfleet.shared.redis_connect import redis_client
 
-    settings = Settings.from_env().with_url(args.redis_url)
-    client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    settings = settings_from_flags(args)
+    client = redis_client(settings)
     try:
         with Client(client, settings=settings) as producer:
             models = producer.models()
@@ -92,15 +93,13 @@ def _fleet(args: argparse.Namespace) -> int:
 
 
 def _edit(args: argparse.Namespace, add: bool) -> int:
-    import redis
-
     from tokenfleet.shared.keys import Keys, check_model_name
     from tokenfleet.shared.record import as_str
-    from tokenfleet.shared.settings import Settings
+    from tokenfleet.shared.redis_connect import redis_client
 
     names = [check_model_name(n) for n in args.names]  # InvalidRequest names a bad one
-    settings = Settings.from_env().with_url(args.redis_url)
-    client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    settings = settings_from_flags(args)
+    client = redis_client(settings)
     key = Keys(settings.key_prefix).declared
     try:
         changed = client.sadd(key, *names) if add else client.srem(key, *names)

@@ -6,7 +6,9 @@ on a line of its own ("waiting on model X: N requests, no live worker").
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
-``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
+``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
+carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
+figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
 
 Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
 so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
@@ -20,6 +22,8 @@ import argparse
 import time
 from typing import Any
 
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
+
 SILENT_AFTER_S = 3.0  # a heartbeat older than this (beats come every second) is silent
 
 
@@ -30,7 +34,7 @@ def register(subparsers: Any) -> None:
         description="Show live workers (heartbeat age, running and "
         "waiting requests, KV use) and every queue's length.",
     )
-    p.add_argument("--redis-url", default=None, help="default: $REDIS_URL")
+    add_redis_flags(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--watch",
@@ -47,6 +51,7 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     from tokenfleet.producer import Client
     from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.record import as_str
+    from tokenfleet.worker.commands.stream_lag import queue_lags
 
     keys = Keys(settings.key_prefix)
     now = time.time()
@@ -86,6 +91,8 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
         models = [m.to_dict() for m in producer.models()]
     finally:
         producer.close()
+    for queue, lag in zip(queues, queue_lags(client, keys, queues), strict=True):
+        queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA's scaler reads
     dead = client.xlen(keys.dead_letter)
     return {
         "prefix": settings.key_prefix,
@@ -185,12 +192,11 @@ def _redis_flag(w: dict[str, Any]) -> str:
 
 def func(args: argparse.Namespace) -> int:
     import orjson
-    import redis
 
-    from tokenfleet.shared.settings import Settings
+    from tokenfleet.shared.redis_connect import redis_client
 
-    settings = Settings.from_env().with_url(args.redis_url)
-    client = redis.Redis.from_url(settings.redis_url)
+    settings = settings_from_flags(args)
+    client = redis_client(settings)
     try:
         while True:
             snap = snapshot(client, settings)

@@ -14,6 +14,8 @@ import logging
 import sys
 from typing import Any
 
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -32,7 +34,7 @@ def register(subparsers: Any) -> None:
         "--model-name",
         help="served model name, the queues' MODEL (TOKENFLEET_MODEL_NAME, default 'default')",
     )
-    p.add_argument("--redis-url", help="Redis URL (REDIS_URL)")
+    add_redis_flags(p)
     p.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (TOKENFLEET_DEVICE)")
     p.add_argument("--dtype", help="auto, float32, bfloat16 or float16 (TOKENFLEET_DTYPE)")
     p.add_argument("--max-num-seqs", type=int, help="sequences per step (TOKENFLEET_MAX_NUM_SEQS)")
@@ -105,10 +107,9 @@ def register(subparsers: Any) -> None:
 
 def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
     """(``Settings``, ``WorkerSettings``) from parsed flags and the environment."""
-    from tokenfleet.shared.settings import Settings
     from tokenfleet.worker.worker_settings import WorkerSettings
 
-    settings = Settings.from_env().with_url(args.redis_url)
+    settings = settings_from_flags(args)
     ws = WorkerSettings.from_env(
         model=args.model,
         model_name=args.model_name,

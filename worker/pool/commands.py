@@ -18,7 +18,7 @@ import orjson
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import PRIORITIES
-from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 from tokenfleet.worker.pool.admin import create_pool, pool_names, pool_snapshot
 from tokenfleet.worker.pool.config import DEFAULT_ROUND_MS, PoolConfig
 
@@ -76,21 +76,21 @@ def register(subparsers: Any) -> None:
         help="the compute share's round: each member computes at most its share of "
         "--token-budget per this many milliseconds",
     )
-    c.add_argument("--redis-url", help="Redis URL (REDIS_URL)")
+    add_redis_flags(c)
     c.set_defaults(func=create_func)
 
     s = sub.add_parser("show", help="show pools: members, weights, held, entitlement, ...")
     s.add_argument("name", nargs="?", help="pool name (default: every pool)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    s.add_argument("--redis-url", help="Redis URL (REDIS_URL)")
+    add_redis_flags(s)
     s.set_defaults(func=show_func)
 
 
 def _connect(args: argparse.Namespace) -> tuple[Any, Keys]:
-    import redis
+    from tokenfleet.shared.redis_connect import redis_client
 
-    settings = Settings.from_env().with_url(args.redis_url)
-    return redis.Redis.from_url(settings.redis_url), Keys(settings.key_prefix)
+    settings = settings_from_flags(args)
+    return redis_client(settings), Keys(settings.key_prefix)
 
 
 def create_func(args: argparse.Namespace) -> int:

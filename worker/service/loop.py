@@ -52,6 +52,7 @@ import redis
 
 from tokenfleet.shared.errors import RedisUnavailable
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.intake.claimer import Claimer
@@ -98,7 +99,7 @@ class WorkerService:
         self.engine = engine
         self.settings = settings
         self.ws = wsettings
-        self.client = client or redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+        self.client = client or redis_client(settings)
         self.metrics = metrics or WorkerMetrics(wsettings.model_name)
         name = wsettings.name
         self.intake = Intake(

@@ -24,6 +24,7 @@ from tokenfleet.producer.gateway.batches.files import FileStore
 from tokenfleet.producer.gateway.batches.objects import BatchObject
 from tokenfleet.producer.gateway.batches.runner import BatchRunner
 from tokenfleet.producer.gateway.batches.store import BatchStore
+from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
 
 Progress = Callable[[BatchObject], None]
@@ -128,7 +129,7 @@ class BatchHandle:
         settings = self._settings
 
         async def go() -> Any:
-            r = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+            r = async_redis_client(settings)
             client = AsyncClient(r, settings=settings)
             try:
                 return await call(AsyncBatchHandle(client, r, self.batch_id))
@@ -172,7 +173,7 @@ def submit_batch_sync(
     """``submit_batch`` for synchronous code."""
 
     async def go() -> str:
-        r = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+        r = async_redis_client(settings)
         client = AsyncClient(r, settings=settings)
         try:
             handle = await submit_batch(

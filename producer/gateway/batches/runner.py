@@ -30,6 +30,7 @@ from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
+from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.scripts.registry import acall
 from tokenfleet.shared.settings import Settings
 
@@ -122,7 +123,7 @@ class BatchRunner:
 async def _main(args: argparse.Namespace) -> None:
     settings = Settings.from_env()
     async with AsyncClient.from_url(settings=settings) as client:
-        r = redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+        r = async_redis_client(settings)
         try:
             runner = BatchRunner(client, r, settings, window=args.window, lease_ms=args.lease_ms)
             await runner.run()

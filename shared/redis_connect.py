@@ -1,0 +1,116 @@
+"""The one place every tokenfleet process builds its Redis clients (sync and asyncio).
+
+``redis_client(settings)`` / ``async_redis_client(settings)`` read ``Settings.redis_mode``:
+
+- ``standalone``: ``redis.Redis.from_url(settings.redis_url, **settings.redis_options())``, as
+  every process did before there were modes.
+- ``sentinel``: the primary of ``settings.sentinel_service`` as the ``settings.sentinels`` report
+  it (redis-py's ``Sentinel.master_for``). ``redis_url`` still gives the database number, the
+  username and password, and TLS (``rediss://`` and its ``ssl_*`` query options); its host and
+  port are ignored. The client's pool is a ``SentinelConnectionPool``: each new connection asks
+  the sentinels where the primary is, and a connection that gets ``READONLY`` (a demoted primary)
+  is closed and raised as a ``ConnectionError``, so the callers' outage handling (the worker's
+  loop, a handle's retries) reconnects to the new primary. A connection built from the pool's
+  ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``,
+  the producer's pub/sub connection) resolves the primary the same way
+  (``shared.sentinel_connection``).
+- ``cluster``: refused with ``SettingsError`` (cluster mode needs a key design, pending).
+
+The sync client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
+worker's pipelines then end each round trip with ``WAIT``.
+
+Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
+setting switches all of them (tests/ha checks the full path in sentinel mode).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+import redis.sentinel
+from redis.connection import parse_url
+
+from tokenfleet.shared import replica_wait
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.sentinel_connection import (
+    AsyncPrimaryConnection,
+    AsyncPrimarySSLConnection,
+    AsyncSentinelRedis,
+    PrimaryConnection,
+    PrimarySSLConnection,
+    SentinelRedis,
+)
+from tokenfleet.shared.settings import Settings
+
+CLUSTER_REFUSAL = (
+    "TOKENFLEET_REDIS_MODE=cluster is not supported yet: tokenfleet's keys are not yet laid out "
+    "in hash slots for Redis Cluster (key design pending, issue 20); use standalone or sentinel"
+)
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """A sync client with its own connection pool, in the settings' mode."""
+    if settings.redis_mode == "sentinel":
+        sentinel = redis.sentinel.Sentinel(
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+        )
+        kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
+        client = sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
+    else:
+        _refuse_cluster(settings)
+        client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+    return replica_wait.attach(client, _wait(settings))
+
+
+def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
+    """An asyncio client with its own connection pool, in the settings' mode."""
+    if settings.redis_mode == "sentinel":
+        sentinel = redis.asyncio.sentinel.Sentinel(
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+        )
+        kwargs = _primary_kwargs(settings, AsyncPrimaryConnection, AsyncPrimarySSLConnection)
+        return sentinel.master_for(
+            settings.sentinel_service, redis_class=AsyncSentinelRedis, **kwargs
+        )
+    _refuse_cluster(settings)
+    return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+
+
+def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:
+    if settings.redis_wait_replicas <= 0:
+        return None
+    return replica_wait.ReplicaWait(settings.redis_wait_replicas, settings.redis_wait_ms)
+
+
+def _refuse_cluster(settings: Settings) -> None:
+    if settings.redis_mode == "cluster":
+        raise SettingsError(CLUSTER_REFUSAL)
+
+
+def _primary_kwargs(settings: Settings, plain: type, tls: type) -> dict[str, Any]:
+    """Connection options for the primary: the URL's db, credentials and TLS (``tls`` as the
+    connection class for ``rediss://``, else ``plain``), and the timeouts. The URL's host and
+    port are dropped (the sentinels name the primary)."""
+    from_url = parse_url(settings.redis_url)
+    url_class = from_url.pop("connection_class", None)
+    for name in ("host", "port", "path"):
+        from_url.pop(name, None)
+    is_tls = url_class is not None and issubclass(url_class, redis.SSLConnection)
+    from_url["connection_class"] = tls if is_tls else plain
+    return {**from_url, **settings.redis_options()}
+
+
+def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
+    """Options for the connections to the sentinels themselves: timeouts, their own auth."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+    }
+    if settings.sentinel_username:
+        kwargs["username"] = settings.sentinel_username
+    if settings.sentinel_password:
+        kwargs["password"] = settings.sentinel_password
+    return kwargs

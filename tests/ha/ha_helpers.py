@@ -1,0 +1,92 @@
+"""Sentinel-mode helpers: settings and CLI flags for a ``LocalSentinel``, and real ``tokenfleet
+worker`` processes that reach it through the sentinels only (their ``--redis-url`` names a port
+where nothing listens: in sentinel mode only its db and credentials count)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+
+DEADLINE_S = 120.0  # failure guard only: every wait polls for a state
+NOWHERE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: proves the sentinels are used
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Poll ``predicate`` until it returns something truthy; ``AssertionError`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ha_settings(setup: LocalSentinel, prefix: str) -> Settings:
+    """Sentinel-mode settings for ``setup`` under key prefix ``prefix``."""
+    return Settings(
+        redis_url=NOWHERE_URL,
+        key_prefix=prefix,
+        redis_mode="sentinel",
+        sentinels=setup.sentinels,
+        sentinel_service=setup.service,
+        redis_socket_timeout_s=5,
+        redis_connect_timeout_s=2,
+    )
+
+
+def sentinel_flags(setup: LocalSentinel) -> list[str]:
+    """The CLI flags that put a tokenfleet command in sentinel mode against ``setup``."""
+    return ["--redis-url", NOWHERE_URL, "--redis-mode", "sentinel", "--sentinels",
+            setup.sentinels, "--sentinel-service", setup.service]  # fmt: skip
+
+
+class HAWorker:
+    """A real ``tokenfleet worker`` process in sentinel mode (flags, not environment)."""
+
+    def __init__(
+        self, model_dir: Path, setup: LocalSentinel, prefix: str, name: str, log_dir: Path,
+        *extra: str, env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.name = name
+        self.keys = Keys(prefix)
+        self.log_path = log_dir / f"{name}.log"
+        env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
+        for var in ("REDIS_URL", "TOKENFLEET_MODEL", "TOKENFLEET_REDIS_MODE"):
+            env.pop(var, None)
+        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model",
+                str(model_dir), "--name", name, "--threads", "1", "--heartbeat-ttl-s", "2",
+                "--claim-idle-s", "0.5", "--claim-interval-s", "0.5",
+                *sentinel_flags(setup), *extra]  # fmt: skip
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def ready(self, r: redis.Redis) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"worker {self.name} exited early:\n{self.output()}")
+        return bool(r.exists(self.keys.worker(self.name)))
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill()
+        self.log.close()

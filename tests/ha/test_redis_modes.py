@@ -1,0 +1,146 @@
+"""Connection modes: settings validation, the CLI flags, and the client factory (one place for
+every process). Sentinel-mode clients are checked against the session's real Sentinel setup."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+import pytest
+
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.redis_connect import async_redis_client, redis_client
+from tokenfleet.shared.redis_flags import add_redis_flags, redis_env, settings_from_flags
+from tokenfleet.shared.sentinel_connection import PrimaryConnection, PrimarySSLConnection
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.pipelined import dedicated_connection
+
+SENTINEL_ENV = {
+    "TOKENFLEET_REDIS_MODE": "sentinel",
+    "TOKENFLEET_SENTINELS": "10.0.0.1:26379, sentinel-b:26380,[::1]:26381",
+    "TOKENFLEET_SENTINEL_SERVICE": "mymaster",
+}
+
+
+def test_settings_read_the_sentinel_variables() -> None:
+    s = Settings.from_env(SENTINEL_ENV)
+    assert s.redis_mode == "sentinel" and s.sentinel_service == "mymaster"
+    assert s.sentinel_addresses() == [("10.0.0.1", 26379), ("sentinel-b", 26380), ("::1", 26381)]
+    assert Settings.from_env({}).redis_mode == "standalone"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINELS": "a:1,b"}, "entry 'b' is not host:port"),
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINELS": "a:1,,b:2"}, "entry '' is not host:port"),
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINELS": "a:99999"}, "not host:port"),
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINELS": ""}, "needs the sentinels"),
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINEL_SERVICE": ""}, "service's name"),
+        ({**SENTINEL_ENV, "REDIS_URL": "unix:///tmp/r.sock"}, "not a unix socket"),
+        ({"TOKENFLEET_REDIS_MODE": "sentinels"}, "not one of standalone, sentinel, cluster"),
+        ({"TOKENFLEET_SENTINEL_SERVCE": "x"}, "unknown setting TOKENFLEET_SENTINEL_SERVCE"),
+    ],
+)
+def test_bad_connection_settings_fail_with_a_clear_error(env: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        Settings.from_env(env)
+
+
+def test_cluster_mode_is_accepted_in_settings_but_refused_when_connecting() -> None:
+    s = Settings.from_env({"TOKENFLEET_REDIS_MODE": "cluster"})
+    assert s.redis_mode == "cluster"
+    with pytest.raises(SettingsError, match="cluster is not supported yet"):
+        redis_client(s)
+    with pytest.raises(SettingsError, match="cluster is not supported yet"):
+        async_redis_client(s)
+
+
+def test_the_cli_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://:pw@127.0.0.1:1/2")  # (the suite's may be unix://)
+    for var, value in SENTINEL_ENV.items():
+        monkeypatch.setenv(var, value)
+    parser = argparse.ArgumentParser()
+    add_redis_flags(parser)
+    s = settings_from_flags(parser.parse_args(["--sentinels", "h:1", "--sentinel-service", "x"]))
+    assert (s.redis_mode, s.sentinels, s.sentinel_service) == ("sentinel", "h:1", "x")
+    assert Settings.from_env(redis_env(s)) == s  # what `serve --processes N` hands its children
+    s = settings_from_flags(parser.parse_args(["--redis-mode", "standalone"]))
+    assert s.redis_mode == "standalone"
+    with pytest.raises(SettingsError, match="not host:port"):
+        settings_from_flags(parser.parse_args(["--sentinels", "nope"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--redis-mode", "replicated"])
+
+
+def test_sentinel_mode_takes_db_credentials_and_tls_from_the_url() -> None:
+    s = Settings(
+        redis_url="rediss://app:secret@ignored-host:1/3?ssl_cert_reqs=none",
+        redis_mode="sentinel",
+        sentinels="127.0.0.1:1",
+        sentinel_service="svc",
+        sentinel_password="sentinel-secret",
+    )
+    client = redis_client(s)  # lazy: nothing connects yet
+    kwargs = client.connection_pool.connection_kwargs
+    assert client.connection_pool.connection_class is PrimarySSLConnection
+    assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "app", "secret")
+    assert "host" not in kwargs and kwargs["socket_timeout"] == s.redis_socket_timeout_s
+    plain = redis_client(Settings(redis_mode="sentinel", sentinels="h:1", sentinel_service="s"))
+    assert plain.connection_pool.connection_class is PrimaryConnection
+
+
+def test_every_kind_of_connection_reaches_the_primary_the_sentinels_name(
+    sentinel_setup: LocalSentinel,
+) -> None:
+    s = Settings(
+        redis_url="redis://127.0.0.1:1/0",
+        redis_mode="sentinel",
+        sentinels=sentinel_setup.sentinels,
+        sentinel_service=sentinel_setup.service,
+    )
+    primary = sentinel_setup.primary_port()
+    client = redis_client(s)
+    try:
+        assert client.ping()
+        conn = dedicated_connection(client)  # outside the pool: the worker's reader, publisher
+        try:
+            conn.send_command("PING")
+            assert conn.read_response() in (b"PONG", "PONG")
+            assert conn.port == primary
+        finally:
+            conn.disconnect()
+    finally:
+        client.close()
+
+    async def ping_async() -> bool:
+        aclient = async_redis_client(s)
+        try:
+            return bool(await aclient.ping())
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(ping_async())
+
+
+def test_a_round_trip_no_replica_confirms_counts_as_a_lost_connection(redis_url: str) -> None:
+    from tokenfleet.shared.replica_wait import ReplicationLagged
+    from tokenfleet.worker.pipelined import ScriptPipeline
+
+    with pytest.raises(SettingsError, match="redis_wait_replicas"):
+        Settings(redis_wait_replicas=-1)
+    plain = redis_client(Settings(redis_url=redis_url))
+    waiting = redis_client(Settings(redis_url=redis_url, redis_wait_replicas=1, redis_wait_ms=50))
+    try:
+        pipe = ScriptPipeline(plain)
+        pipe.command("PING")
+        assert pipe.execute() in ([b"PONG"], [True])  # no WAIT asked: the replies as they are
+        pipe = ScriptPipeline(waiting)  # the private server has no replica: WAIT answers 0
+        pipe.command("PING")
+        with pytest.raises(ReplicationLagged, match="0 replicas confirmed"):
+            pipe.execute()
+        assert waiting.ping()  # the pool is usable again: that connection was dropped
+    finally:
+        plain.close()
+        waiting.close()

@@ -1,0 +1,126 @@
+"""A Sentinel failover under load: two real workers and a producer run streaming requests;
+mid-run the sentinels fail the primary over to the replica. Every request must end exactly once,
+every client stream (live pub/sub, gap-filled from the durable token record across the switch)
+must be gap-free and duplicate-free, and once the old primary is the new one's replica, the new
+primary must hold every record done with the very text the client saw. The counts are printed.
+
+The workers run with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1`` (``shared.replica_wait``): without it,
+the writes the old primary acknowledged between the promotion and its own demotion are discarded
+(tried while writing this test: most records were left ``running`` on the new primary, their
+streams already ended on the old one)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from ha_helpers import DEADLINE_S, HAWorker, ha_settings, wait_for
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.redis_connect import redis_client
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+
+pytestmark = pytest.mark.slow
+PREFIX = "hafo"
+NUM_REQUESTS = 16
+MAX_TOKENS = 160
+FLAGS = ("--max-num-seqs", "4")
+
+
+@pytest.fixture
+def workers(
+    sentinel_setup: LocalSentinel, tiny_llama_dir: Path, tmp_path: Path
+) -> Iterator[list[HAWorker]]:
+    settings = ha_settings(sentinel_setup, PREFIX)
+    wait = {"TOKENFLEET_REDIS_WAIT_REPLICAS": "1", "TOKENFLEET_REDIS_WAIT_MS": "200"}
+    ws = [
+        HAWorker(tiny_llama_dir, sentinel_setup, PREFIX, f"fo-{n}", tmp_path, *FLAGS, env=wait)
+        for n in ("a", "b")
+    ]
+    try:
+        with redis_client(settings) as r:
+            for w in ws:
+                wait_for(lambda: w.ready(r), f"{w.name}'s heartbeat")  # noqa: B023
+        yield ws
+    finally:
+        for w in ws:
+            w.close()
+
+
+def test_a_failover_mid_run_loses_no_request_and_no_token(
+    sentinel_setup: LocalSentinel, workers: list[HAWorker]
+) -> None:
+    settings = ha_settings(sentinel_setup, PREFIX)
+    streams: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def follow(handle: Any) -> None:
+        try:
+            streams[handle.request_id] = list(handle.stream(timeout=DEADLINE_S))
+        except BaseException as exc:  # reported below with the request id
+            errors.append(exc)
+
+    with Client.from_url(settings=settings) as client, redis_client(settings) as r:
+        handles = [
+            client.submit(f"Failover load {i}", max_tokens=MAX_TOKENS, ignore_eos=True)
+            for i in range(NUM_REQUESTS)
+        ]
+        threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
+        for t in threads:
+            t.start()
+
+        def some_done_some_running() -> bool:
+            recs = [
+                RequestRecord.from_hash(h.request_id, r.hgetall(Keys(PREFIX).record(h.request_id)))
+                for h in handles
+            ]
+            return any(x and x.status == "done" for x in recs) and any(
+                x and x.status == "running" for x in recs
+            )
+
+        wait_for(some_done_some_running, "the run to be under way")
+        old = sentinel_setup.primary_port()
+        before = [
+            RequestRecord.from_hash(h.request_id, r.hgetall(Keys(PREFIX).record(h.request_id)))
+            for h in handles
+        ]
+        in_flight = sum(1 for x in before if x is None or x.status != "done")
+        assert in_flight, "the run ended before the failover: no load to ride out"
+        new = sentinel_setup.failover()
+        for t in threads:
+            t.join(DEADLINE_S)
+        assert not errors, errors
+        ended = {
+            rid: [e for e in events if isinstance(e, TerminalEvent)]
+            for rid, events in streams.items()
+        }
+        statuses = [str(client.status(h.request_id).status.value) for h in handles]
+    gap_free = 0
+    for rid, events in streams.items():
+        idx = [e.index for e in events if isinstance(e, TokenEvent)]
+        assert idx == list(range(MAX_TOKENS)), f"{rid}: {idx}"
+        assert len(ended[rid]) == 1 and events[-1] is ended[rid][0]
+        gap_free += 1
+    print(
+        f"failover {old} -> {new} with {in_flight} requests not done when asked: "
+        f"{len(streams)}/{NUM_REQUESTS} requests ended once "
+        f"({statuses.count('done')} done), {gap_free} streams gap-free and duplicate-free, "
+        f"{gap_free * MAX_TOKENS} tokens"
+    )
+    assert statuses == ["done"] * NUM_REQUESTS
+    # what the new primary holds once the old one is its replica: the durable record of each
+    with redis.Redis.from_url(sentinel_setup.url(sentinel_setup.primary_port())) as direct:
+        keys = Keys(PREFIX)
+        for h in handles:
+            rec = RequestRecord.from_hash(h.request_id, direct.hgetall(keys.record(h.request_id)))
+            assert rec is not None and rec.status == "done", (h.request_id, rec)
+            assert direct.llen(keys.tokens(h.request_id)) == MAX_TOKENS, h.request_id
+            seen = "".join(e.text for e in streams[h.request_id] if isinstance(e, TokenEvent))
+            assert rec.text == seen, f"{h.request_id}: the record kept other tokens than were sent"

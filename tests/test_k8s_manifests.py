@@ -1,0 +1,135 @@
+"""deploy/k8s, validated offline: every file parses, every object has its kind's required fields,
+references resolve (ConfigMap, Secret, Deployment, TriggerAuthentication), the settings it sets
+are ones tokenfleet accepts, and KEDA's triggers name the streams and consumer group the code
+uses for exactly the priorities the scaled Deployment serves (batch: from zero)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.worker_settings import parse_priorities
+
+K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+REQUIRED = {  # kind -> dotted paths every object of that kind must have
+    "ConfigMap": ["metadata.name", "data"],
+    "Secret": ["metadata.name", "stringData"],
+    "Deployment": ["metadata.name", "spec.selector.matchLabels", "spec.template.spec.containers"],
+    "Service": ["metadata.name", "spec.selector", "spec.ports"],
+    "ScaledObject": ["metadata.name", "spec.scaleTargetRef.name", "spec.triggers"],
+    "TriggerAuthentication": ["metadata.name", "spec.secretTargetRef"],
+}
+API_VERSIONS = {
+    "ConfigMap": "v1",
+    "Secret": "v1",
+    "Service": "v1",
+    "Deployment": "apps/v1",
+    "ScaledObject": "keda.sh/v1alpha1",
+    "TriggerAuthentication": "keda.sh/v1alpha1",
+}
+
+
+def _get(obj: dict[str, Any], path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(obj, dict) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def _objects() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    objects = []
+    for name in kustomization["resources"]:
+        objects += [d for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None]
+    return objects
+
+
+def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in _objects() if o["kind"] == kind}
+
+
+def _env(deployment: dict[str, Any]) -> dict[str, str]:
+    """What the worker container sees: the ConfigMap and Secret it loads, then its own env."""
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            env.update(_by_kind("ConfigMap")[source["configMapRef"]["name"]]["data"])
+        if "secretRef" in source:
+            env.update(_by_kind("Secret")[source["secretRef"]["name"]]["stringData"])
+    env.update({e["name"]: e.get("value", "<from field>") for e in container.get("env", [])})
+    return env
+
+
+def test_every_listed_file_is_used_and_every_object_is_complete() -> None:
+    listed = set(yaml.safe_load((K8S / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    objects = _objects()
+    assert {o["kind"] for o in objects} == set(REQUIRED)
+    for obj in objects:
+        assert obj["apiVersion"] == API_VERSIONS[obj["kind"]], obj["metadata"]
+        for path in REQUIRED[obj["kind"]]:
+            assert _get(obj, path), f"{obj['kind']} {obj['metadata'].get('name')}: no {path}"
+
+
+def test_deployments_select_their_pods_and_load_existing_settings() -> None:
+    for name, dep in _by_kind("Deployment").items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= labels.items(), name
+        env = _env(dep)  # KeyError here: a ConfigMap or Secret that does not exist
+        tokenfleet_env = {k: v for k, v in env.items() if k.startswith("TOKENFLEET_")}
+        tokenfleet_env["REDIS_URL"] = env["REDIS_URL"]
+        Settings.from_env(tokenfleet_env)  # SettingsError: a misspelt or malformed setting
+    services = _by_kind("Service").values()
+    for svc in services:
+        assert any(
+            svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
+            for d in _by_kind("Deployment").values()
+        ), svc["metadata"]["name"]
+
+
+def _scaled(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    so = _by_kind("ScaledObject")[name]
+    dep = _by_kind("Deployment")[so["spec"]["scaleTargetRef"]["name"]]
+    return so, dep, _env(dep)
+
+
+@pytest.mark.parametrize("name", ["tokenfleet-worker", "tokenfleet-worker-batch"])
+def test_keda_triggers_read_the_lag_of_the_streams_the_workers_serve(name: str) -> None:
+    so, _dep, env = _scaled(name)
+    keys = Keys(env["TOKENFLEET_KEY_PREFIX"])
+    model = env.get("TOKENFLEET_MODEL_NAME", "default")
+    served = {keys.stream(model, p) for p in parse_priorities(env.get("TOKENFLEET_PRIORITIES"))}
+    auths = _by_kind("TriggerAuthentication")
+    streams = set()
+    for trigger in so["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-streams"
+        assert meta["consumerGroup"] == CONSUMER_GROUP
+        assert int(meta["lagCount"]) > 0  # the XINFO GROUPS lag: what status --json reports
+        assert "pendingEntriesCount" not in meta and "streamLength" not in meta
+        assert trigger["authenticationRef"]["name"] in auths
+        streams.add(meta["stream"])
+    assert streams == served, f"{name} scales on {streams} but serves {served}"
+
+
+def test_the_batch_pool_scales_to_zero_and_serves_only_batch() -> None:
+    so, _dep, env = _scaled("tokenfleet-worker-batch")
+    assert so["spec"]["minReplicaCount"] == 0
+    assert [p.label for p in parse_priorities(env["TOKENFLEET_PRIORITIES"])] == ["batch"]
+    interactive, _, ienv = _scaled("tokenfleet-worker")
+    assert interactive["spec"]["minReplicaCount"] >= 1
+    assert "batch" not in ienv["TOKENFLEET_PRIORITIES"]
+
+
+def test_the_trigger_authentication_reads_an_existing_secret_key() -> None:
+    secrets = _by_kind("Secret")
+    for auth in _by_kind("TriggerAuthentication").values():
+        for ref in auth["spec"]["secretTargetRef"]:
+            assert ref["key"] in secrets[ref["name"]]["stringData"]

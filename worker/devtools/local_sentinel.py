@@ -1,0 +1,210 @@
+"""A private Redis Sentinel setup on loopback ports, for the HA tests and people trying it locally.
+
+``LocalSentinel`` starts one primary, one replica (``--replicaof`` the primary) and three
+sentinels (``redis-server sentinel.conf --sentinel``) monitoring them as ``service``, each on a
+free 127.0.0.1 port with its own directory under one temporary folder. Failure detection is short
+(``down_after_ms``, default 1000 ms) so that a failover ends in a few seconds.
+
+Invariant: after ``start()`` returns, the replica's link to the primary is up and every sentinel
+names the primary as the service's master and knows the replica and the two other sentinels (so
+a failover can be voted at once); ``stop()`` kills every process and removes the folder.
+``settings_env()`` gives the environment that puts a tokenfleet process in sentinel mode here.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from tokenfleet.worker.devtools.local_redis import find_redis_server, free_port
+
+QUORUM = 2  # of 3 sentinels
+
+
+class LocalSentinel:
+    """1 primary + 1 replica + 3 sentinels, all ``redis-server`` processes on loopback ports."""
+
+    def __init__(
+        self,
+        *,
+        service: str = "tokenfleet",
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 4000,
+        binary: Path | None = None,
+    ) -> None:
+        self.binary = binary or find_redis_server("system")
+        self.service = service
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.dir = Path(tempfile.mkdtemp(prefix="tokenfleet-sentinel-"))
+        self.data_ports: list[int] = []  # [first primary, first replica]
+        self.sentinel_ports: list[int] = []
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}  # port -> process
+
+    @property
+    def sentinels(self) -> str:
+        """``host:port,...`` as ``TOKENFLEET_SENTINELS`` takes it."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+
+    def settings_env(self) -> dict[str, str]:
+        """Environment for a tokenfleet process in sentinel mode against this setup."""
+        return {
+            "TOKENFLEET_REDIS_MODE": "sentinel",
+            "TOKENFLEET_SENTINELS": self.sentinels,
+            "TOKENFLEET_SENTINEL_SERVICE": self.service,
+        }
+
+    def start(self, timeout_s: float = 30.0) -> LocalSentinel:
+        """Start all five processes; ``RuntimeError`` (with the logs) if they do not settle."""
+        primary, replica = free_port(), free_port()
+        self.data_ports = [primary, replica]
+        self._spawn(primary, self._data_args(primary))
+        self._spawn(replica, [*self._data_args(replica), "--replicaof", "127.0.0.1", str(primary)])
+        for _ in range(3):
+            port = free_port()
+            self.sentinel_ports.append(port)
+            conf = self.dir / f"sentinel-{port}.conf"
+            conf.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"sentinel monitor {self.service} 127.0.0.1 {primary} {QUORUM}\n"
+                f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}\n"
+                f"sentinel parallel-syncs {self.service} 1\n"
+            )
+            self._spawn(port, [str(conf), "--sentinel"])
+        try:
+            self._wait(self._settled, "the sentinel setup to settle", timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def primary_port(self) -> int:
+        """The port of the current primary, as the first sentinel that answers reports it."""
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=1) as s:
+                    addr = s.sentinel_get_master_addr_by_name(self.service)
+            except redis.RedisError:
+                continue
+            if addr:
+                return int(addr[1])
+        raise RuntimeError("no sentinel names a primary")
+
+    def url(self, port: int) -> str:
+        """A direct URL of one data node (for test checks; tokenfleet goes through sentinels)."""
+        return f"redis://127.0.0.1:{port}/0"
+
+    def failover(self, timeout_s: float = 30.0) -> int:
+        """``SENTINEL FAILOVER`` and wait until every sentinel names the new primary, it accepts
+        writes, and the old primary (if alive) has been turned into its replica (until then
+        the old one still takes writes that the switch will discard); returns the new port."""
+        old = self.primary_port()
+        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
+            s.execute_command("SENTINEL", "FAILOVER", self.service)
+
+        def switched() -> bool:
+            ports = {self._master_port(p) for p in self.sentinel_ports}
+            new = ports.pop() if len(ports) == 1 else None
+            if new is None or new == old or self._role(new) != "master":
+                return False
+            return self.procs[old].poll() is not None or self._role(old) == "slave"
+
+        self._wait(switched, "the failover", timeout_s)
+        return self.primary_port()
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one process (a data node or a sentinel)."""
+        proc = self.procs[port]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+
+    def stop(self) -> None:
+        """Kill every process and remove the folder."""
+        for port in list(self.procs):
+            self.kill(port)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def logs(self, num_chars: int = 2000) -> str:
+        parts = []
+        for path in sorted(self.dir.glob("*.log")):
+            parts.append(f"--- {path.name}\n" + path.read_text(errors="replace")[-num_chars:])
+        return "\n".join(parts)
+
+    def __enter__(self) -> LocalSentinel:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _data_args(self, port: int) -> list[str]:
+        node_dir = self.dir / f"node-{port}"
+        node_dir.mkdir()
+        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(node_dir)]  # fmt: skip
+
+    def _spawn(self, port: int, args: list[str]) -> None:
+        with open(self.dir / f"{port}.log", "ab") as log:  # the child keeps its own descriptor
+            self.procs[port] = subprocess.Popen(
+                [str(self.binary), *args], stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def _settled(self) -> bool:
+        primary, _ = self.data_ports
+        info = self._info(self.data_ports[1], "replication")
+        if info.get("master_link_status") != "up":
+            return False
+        for port in self.sentinel_ports:
+            if self._master_port(port) != primary:
+                return False
+            with redis.Redis(port=port, socket_timeout=1) as s:
+                others = s.execute_command("SENTINEL", "SENTINELS", self.service)
+                replicas = s.execute_command("SENTINEL", "REPLICAS", self.service)
+            if len(others) != 2 or len(replicas) != 1:
+                return False
+        return True
+
+    def _master_port(self, sentinel_port: int) -> int | None:
+        try:
+            with redis.Redis(port=sentinel_port, socket_timeout=1) as s:
+                addr = s.sentinel_get_master_addr_by_name(self.service)
+        except redis.RedisError:
+            return None
+        return int(addr[1]) if addr else None
+
+    def _role(self, port: int) -> str:
+        return str(self._info(port, "replication").get("role", ""))
+
+    def _info(self, port: int, section: str) -> dict[str, Any]:
+        try:
+            with redis.Redis(port=port, socket_timeout=1) as c:
+                return dict(c.info(section))
+        except redis.RedisError:
+            return {}
+
+    def _wait(self, predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for port, proc in self.procs.items():
+                if proc.poll() is not None and port not in self._killed():
+                    raise RuntimeError(f"redis process on {port} exited:\n{self.logs()}")
+            try:
+                if predicate():
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"timed out waiting for {what} after {timeout_s}s:\n{self.logs()}")
+
+    def _killed(self) -> set[int]:
+        return {p for p, proc in self.procs.items() if proc.returncode == -signal.SIGKILL}
