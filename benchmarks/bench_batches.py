@@ -13,7 +13,7 @@ Then TTFT of interactive requests (priority ``normal``, one at a time, ``--ttft-
 on the idle fleet, and while a batch of the same size runs; p50 of each and the ratio.
 
 The same batch side and TTFT also run, in the same rounds, on a second worker (a key prefix of
-its own, idle while the first works) started with ``--no-batch-yield --reserved-slots 0``: what
+its own, idle while the first works) started with ``--no-batch-yield``: what
 yielding to interactive work costs the batch, and what it buys the interactive requests.
 
     .venv/bin/python benchmarks/bench_batches.py                       # SmolLM2, 1,000 lines
@@ -36,6 +36,7 @@ import redis.asyncio
 
 from tokenfleet.producer import AsyncClient
 from tokenfleet.producer.gateway.batches.handle import submit_batch
+from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -110,7 +111,7 @@ async def ttft_during_batch(
 
 
 async def measure(args: argparse.Namespace, url: str, prefixes: dict[str, str]) -> None:
-    r = redis.asyncio.Redis.from_url(url)
+    r = async_redis_client(Settings(redis_url=url))  # the pool size tokenfleet processes use
     clients = {
         name: AsyncClient(r, settings=Settings(redis_url=url, key_prefix=prefix))
         for name, prefix in prefixes.items()
@@ -178,7 +179,7 @@ def main() -> None:
         model = str(make_tiny_model(tmp / "tiny"))
     run = uuid.uuid4().hex[:6]
     prefixes = {"yield": f"benchb{run}"}
-    worker_args = {"yield": [], "plain": ["--no-batch-yield", "--reserved-slots", "0"]}
+    worker_args = {"yield": [], "plain": ["--no-batch-yield"]}
     if not args.no_compare:
         prefixes["plain"] = f"benchp{run}"
     with RedisServer() as server:

@@ -76,7 +76,10 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
             settings.sentinel_service, redis_class=AsyncSentinelRedis, **kwargs
         )
     _refuse_cluster(settings)
-    return redis.asyncio.Redis.from_url(settings.redis_url, **settings.redis_options())
+    pool = redis.asyncio.BlockingConnectionPool.from_url(  # at its max: wait, don't fail
+        settings.redis_url, timeout=settings.redis_socket_timeout_s, **settings.redis_options()
+    )
+    return redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
 def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:

@@ -41,6 +41,10 @@ class Settings:
         redis_retry_s: how long a process rides out an outage (Redis restarting, stalled or
             unreachable) before it gives up: a handle raises ``RedisUnavailable``, a worker exits
             with status 5; 0 keeps trying forever.
+        redis_max_connections: connections one client's pool opens at most (redis-py 8 caps
+            a pool at 100 and then fails commands with ``MaxConnectionsError``; a gateway or a
+            batch runner with hundreds of requests in flight needs more). An asyncio client
+            waits for a free connection (up to ``redis_socket_timeout_s``) instead of failing.
         redis_mode: how clients reach Redis (``shared.redis_connect`` builds them all):
             ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
             ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
@@ -65,6 +69,7 @@ class Settings:
     redis_connect_timeout_s: int = 5
     redis_health_check_s: int = 30
     redis_retry_s: int = 300
+    redis_max_connections: int = 2000
     redis_mode: str = "standalone"
     sentinels: str = ""
     sentinel_service: str = ""
@@ -89,6 +94,7 @@ class Settings:
             "redis_connect_timeout_s",
             "redis_health_check_s",
             "redis_wait_ms",
+            "redis_max_connections",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -136,6 +142,7 @@ class Settings:
             "socket_timeout": self.redis_socket_timeout_s,
             "socket_connect_timeout": self.redis_connect_timeout_s,
             "health_check_interval": self.redis_health_check_s,
+            "max_connections": self.redis_max_connections,
         }
 
     def with_url(self, redis_url: str | None) -> Settings:
@@ -188,7 +195,7 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "threads",
         "grace_s",
         "num_workers",
-        "reserved_slots",
+        "urgent_slots",
         "batch_yields",
     }
 )

@@ -39,7 +39,7 @@ ENV_VARS: dict[str, str] = {
     "TOKENFLEET_GRACE_S": "grace_s",
     "TOKENFLEET_KV_POOL": "kv_pool",
     "TOKENFLEET_SHARE_WEIGHT": "share_weight",
-    "TOKENFLEET_RESERVED_SLOTS": "reserved_slots",
+    "TOKENFLEET_URGENT_SLOTS": "urgent_slots",
     "TOKENFLEET_BATCH_YIELDS": "batch_yields",
 }
 
@@ -52,7 +52,7 @@ _INT_FIELDS = frozenset(
         "max_model_len",
         "metrics_port",
         "threads",
-        "reserved_slots",
+        "urgent_slots",
     }
 )
 _BOOL_FIELDS = frozenset({"batch_yields"})
@@ -128,9 +128,11 @@ class WorkerSettings:
             its own timers' timeout when idle).
         kv_pool: shared KV pool to join (docs/kv_pools.md); None: the engine's whole cache.
         share_weight: this worker's weight in the pool (0.001 to 100).
-        reserved_slots: sequence slots that ``batch`` work never fills, kept for the more
-            urgent levels this worker serves (None: an eighth of ``max_num_seqs``, at least 1;
-            0: none). Only applies to a worker serving ``batch`` and a more urgent level.
+        urgent_slots: how many more urgent requests a read may take beyond the free sequence
+            slots, each taking a running ``batch`` request's slot (preempted, recomputed mostly
+            from the prefix cache) — batch work may fill every slot, interactive work takes
+            them back (None: an eighth of ``max_num_seqs``, at least 1; 0: none). Only applies
+            to a worker serving ``batch`` and a more urgent level, with ``batch_yields``.
         batch_yields: ``batch`` work sits out engine steps that prefill more urgent work, and
             more urgent work arriving in Redis cuts a batch-only step short (docs in README,
             "Batch work yields"); False runs batch steps through like any other.
@@ -160,7 +162,7 @@ class WorkerSettings:
     block_ms: int = 1000
     kv_pool: str | None = None
     share_weight: float = 1.0
-    reserved_slots: int | None = None
+    urgent_slots: int | None = None
     batch_yields: bool = True
 
     def __post_init__(self) -> None:
@@ -199,22 +201,23 @@ class WorkerSettings:
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
         _check_positive("block_ms", self.block_ms)
-        if self.reserved_slots is not None and not 0 <= self.reserved_slots < self.max_num_seqs:
+        if self.urgent_slots is not None and not 0 <= self.urgent_slots <= self.max_num_seqs:
             raise SettingsError(
-                f"reserved_slots must be in 0..{self.max_num_seqs - 1} (max_num_seqs - 1), "
-                f"got {self.reserved_slots}"
+                f"urgent_slots must be in 0..{self.max_num_seqs} (max_num_seqs), "
+                f"got {self.urgent_slots}"
             )
 
     @property
-    def background_slots(self) -> int | None:
-        """Sequence slots ``batch`` work may hold at most, or None (no limit: the worker does not
-        serve both ``batch`` and a more urgent level, or reserves nothing)."""
-        if BACKGROUND not in self.priorities or len(self.priorities) < 2:
+    def slots_from_batch(self) -> int | None:
+        """How many more urgent requests a read may take beyond the free slots, each from a
+        running batch request, or None (the worker does not serve both ``batch`` and a more
+        urgent level, batch work does not yield, or ``urgent_slots`` is 0)."""
+        if not self.batch_yields or BACKGROUND not in self.priorities or len(self.priorities) < 2:
             return None
-        reserved = self.reserved_slots
-        if reserved is None:
-            reserved = max(1, self.max_num_seqs // 8)
-        return self.max_num_seqs - reserved if reserved else None
+        slots = self.urgent_slots
+        if slots is None:
+            slots = max(1, self.max_num_seqs // 8)
+        return slots or None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

@@ -30,12 +30,30 @@ def test_background_sits_out_the_step_that_prefills_urgent_work() -> None:
     assert all(r.priority is BATCH for r in sched.running if r.request_id.startswith("b"))
 
 
-def test_background_takes_the_step_when_the_urgent_request_cannot_start() -> None:
-    """No free sequence slot for the urgent request (urgency preempts for blocks, not slots):
-    background work must not stall behind a request that cannot run."""
+def test_urgent_work_takes_a_sequence_slot_from_batch_work() -> None:
     sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
     sched.add(make_request("b", 6, priority=BATCH, max_tokens=3))
     step(sched)
+    sched.add(make_request("n", 6, priority=NORMAL, max_tokens=2))
+    out = step(sched)
+    assert scheduled_ids(out) == ["n"] and out.num_preemptions == 1
+    assert [r.request_id for r in sched.waiting] == ["b"]  # recomputed once n is done
+    assert scheduled_ids(step(sched)) == ["n"]
+    assert scheduled_ids(step(sched)) == ["b"]
+    off = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64, background_yields=False)
+    off.add(make_request("b", 6, priority=BATCH, max_tokens=3))
+    step(off)
+    off.add(make_request("n", 6, priority=NORMAL))
+    assert scheduled_ids(step(off)) == ["b"]  # without yielding: n waits for the slot
+
+
+def test_background_takes_the_step_when_the_urgent_request_cannot_start() -> None:
+    """No slot for the urgent request and the batch request is boosted (the starvation guard:
+    never a victim): batch work must not stall behind a request that cannot run."""
+    sched = make_scheduler(max_num_seqs=1, max_num_batched_tokens=64)
+    sched.add(make_request("b", 6, priority=BATCH, max_tokens=3))
+    step(sched)
+    sched.running[0].boosted = True
     sched.add(make_request("n", 6, priority=NORMAL))
     assert scheduled_ids(step(sched)) == ["b"]
     assert scheduled_ids(step(sched)) == ["b"]  # b finishes at its third token

@@ -66,8 +66,10 @@ def test_a_boosted_running_request_is_not_preempted_for_urgency() -> None:
 
 
 def test_a_full_batch_of_sequences_alone_preempts_nothing() -> None:
+    """Urgency preempts for blocks, not for a slot (only batch work gives slots back to more
+    urgent work, tests/engine/test_background_yield.py)."""
     sched = _sched(64, max_num_seqs=1)
-    sched.add(make_request("batch", 7, priority=Priority.BATCH))
+    sched.add(make_request("normal", 7, priority=Priority.NORMAL))
     step(sched)
     sched.add(make_request("crit", 7, priority=Priority.CRITICAL))
     for _ in range(3):

@@ -108,7 +108,7 @@ def worker(
         tmp_path_factory.mktemp("logs"),
         "--max-num-seqs",
         "3",
-        "--reserved-slots",
+        "--urgent-slots",
         "1",
         "--metrics-port",
         str(metrics_port),
@@ -131,16 +131,16 @@ def _statuses(rr: redis.Redis, rids: list[str]) -> list[RequestStatus]:
     return out
 
 
-def _cut_steps(port: int) -> float:
+def _counter(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as f:
         for line in f.read().decode().splitlines():
-            if line.startswith("tokenfleet:batch_steps_cut_total{"):
+            if line.startswith(name + "_total{"):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
 @pytest.mark.slow
-def test_interactive_work_finds_a_reserved_slot_and_cuts_batch_steps(
+def test_interactive_work_takes_slots_from_batch_work_and_cuts_its_steps(
     worker: WorkerProc, rr: redis.Redis, metrics_port: int
 ) -> None:
     client = Client(rr, settings=Settings(key_prefix=PREFIX))
@@ -150,17 +150,21 @@ def test_interactive_work_finds_a_reserved_slot_and_cuts_batch_steps(
     )
     rids = [f"yb-{i}" for i in range(4)]
     running = RequestStatus.RUNNING
-    wait_for(lambda: _statuses(rr, rids).count(running) == 2, "two batch requests running")
-    assert _statuses(rr, rids).count(RequestStatus.QUEUED) == 2  # the third slot is kept
+    wait_for(lambda: _statuses(rr, rids).count(running) == 3, "three batch requests running")
+    assert _statuses(rr, rids).count(RequestStatus.QUEUED) == 1  # batch filled every slot
+    preempted = _counter(metrics_port, "tokenfleet:num_preemptions")
 
     for i in range(10):  # interactive requests, one after the other, while the batch runs
         rid = f"yn-{i}"
         client.submit(f"Question {i}?", request_id=rid, max_tokens=3, temperature=0)
         rec = wait_terminal(rr, KEYS, rid, timeout_s=60)
         assert rec.status is RequestStatus.DONE and rec.num_tokens == 3
-        statuses = _statuses(rr, rids)
-        assert statuses.count(running) == 2 and RequestStatus.DONE not in statuses, statuses
-    assert _cut_steps(metrics_port) >= 1  # ten arrivals, (nearly) all during batch-only steps
+        statuses = _statuses(rr, rids)  # it did not wait for a batch request to end
+        assert statuses.count(running) == 3 and RequestStatus.DONE not in statuses, statuses
+    # each took a slot from a running batch request (which went on from its cached prefix)
+    assert _counter(metrics_port, "tokenfleet:num_preemptions") - preempted >= 10
+    # ten arrivals, (nearly) all during batch-only steps
+    assert _counter(metrics_port, "tokenfleet:batch_steps_cut") >= 1
 
     for rid in rids:  # the batch: cut steps and sat-out steps lost and repeated no token
         client.cancel(rid)

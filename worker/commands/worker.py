@@ -88,18 +88,18 @@ def register(subparsers: Any) -> None:
         "--share-weight", type=float, help="weight in the KV pool (TOKENFLEET_SHARE_WEIGHT, 1)"
     )
     p.add_argument(
-        "--reserved-slots",
+        "--urgent-slots",
         type=int,
-        help="sequence slots batch work never fills, kept for more urgent levels "
-        "(TOKENFLEET_RESERVED_SLOTS; default max-num-seqs/8, 0 = none)",
+        help="more urgent requests a read may take beyond the free slots, each preempting a "
+        "running batch request (TOKENFLEET_URGENT_SLOTS; default max-num-seqs/8, 0 = none)",
     )
     p.add_argument(
         "--no-batch-yield",
         dest="batch_yields",
         action="store_const",
         const=False,
-        help="run batch work's steps through like any other: no sitting out urgent prefills, "
-        "no cut steps (TOKENFLEET_BATCH_YIELDS=0)",
+        help="run batch work like any other: no sitting out urgent prefills, no cut steps, no "
+        "slots taken from it (TOKENFLEET_BATCH_YIELDS=0)",
     )
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     p.set_defaults(func=func)
@@ -132,7 +132,7 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         poison_limit=args.poison_limit,
         kv_pool=args.kv_pool,
         share_weight=args.share_weight,
-        reserved_slots=args.reserved_slots,
+        urgent_slots=args.urgent_slots,
         batch_yields=args.batch_yields,
     )
     return settings, ws

@@ -8,6 +8,12 @@ Two rules, both preempting by recompute (the victim's blocks are freed, it waits
   starvation guard), so a request preempted for urgent work cannot starve: once it has waited
   ``max_wait_steps``/``max_wait_s`` again it is boosted and no longer a victim. A full batch of
   sequences alone (blocks to spare) preempts nothing.
+* **background slots**: with ``background_yields``, a request more urgent than ``batch`` that
+  finds no free sequence slot (blocks to spare) preempts the least urgent running ``batch``
+  request that is not boosted: batch work may fill every slot, and interactive work takes slots
+  back from it when it arrives (the victim's full blocks stay in the prefix cache, so its
+  recompute is mostly cache hits). The worker reads at most ``urgent_slots`` such requests
+  beyond its free slots per read (``Feeder.read_budget``).
 * **starvation**: a boosted request (waited too long) may preempt any running request less urgent
   than itself by ``sort_key`` (every unboosted one, and boosted ones that arrived later), for
   blocks or for a sequence slot. Boosted requests are ordered by arrival among themselves, so two
@@ -23,12 +29,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenfleet.shared.priority import BACKGROUND
 from tokenfleet.worker.engine.block_manager import AllocStatus, BlockManager, num_blocks_for
 from tokenfleet.worker.engine.request import Request
 
 
 def admission_victim(
-    req: Request, running: Sequence[Request], block_manager: BlockManager
+    req: Request,
+    running: Sequence[Request],
+    block_manager: BlockManager,
+    *,
+    take_background_slots: bool = False,
 ) -> Request | None:
     """The running request the waiting ``req`` may preempt now to start, or None.
 
@@ -42,6 +53,8 @@ def admission_victim(
     elif bm.can_allocate(req.num_tokens, req.block_hashes) is not AllocStatus.NOW:
         priority = int(req.priority)
         victims = [r for r in running if not r.boosted and int(r.priority) > priority]
+    elif take_background_slots and req.priority is not BACKGROUND:
+        victims = [r for r in running if not r.boosted and r.priority is BACKGROUND]
     else:
         return None  # only a sequence slot is short: urgency alone does not preempt for it
     if not victims:

@@ -308,7 +308,12 @@ class Scheduler:
                 is AllocStatus.NOW
             )
             if not fits:
-                make_room = admission_victim(req, self.running, self.block_manager)
+                make_room = admission_victim(
+                    req,
+                    self.running,
+                    self.block_manager,
+                    take_background_slots=self.config.background_yields,
+                )
                 if make_room is None:
                     break
                 budget += self._preempt(make_room, out, decode, prefill)

@@ -58,7 +58,7 @@ class Feeder:
         *,
         worker_name: str,
         prep: PromptPrep | None = None,
-        background_slots: int | None = None,
+        slots_from_batch: int | None = None,
     ) -> None:
         self.intake = intake
         self.reader = reader
@@ -69,7 +69,7 @@ class Feeder:
         self.outbox = outbox
         self.metrics = metrics
         self.worker_name = worker_name
-        self.background_slots = background_slots  # WorkerSettings.background_slots
+        self.slots_from_batch = slots_from_batch  # WorkerSettings.slots_from_batch
         self.prep = prep or PromptPrep(
             self.engine.tokenizer, self.engine.max_model_len, adapter.chat_text
         )
@@ -90,20 +90,23 @@ class Feeder:
 
     def read_budget(self) -> int:
         """How many new entries the intake may read: none while requests inherited from an
-        earlier process of this name wait for room (they are older, and go first). Also caps
-        what the reads take of ``batch`` so that it never holds more than ``background_slots``
-        (the rest is kept for more urgent levels: an urgent arrival finds a free slot)."""
-        if self.background_slots is not None:
+        earlier process of this name wait for room (they are older, and go first). With
+        ``slots_from_batch`` (a worker serving ``batch`` and a more urgent level), ``batch``
+        is capped at the free room, and more urgent levels may take up to that many more, one
+        per running batch request: the engine preempts batch work for them (``preemption``)."""
+        budget = self.budget()
+        extra = self.slots_from_batch
+        if extra is not None:
             table = self.table
-            held = sum(
+            background = sum(
                 1
                 for jobs in (table.jobs, table.early, table.preparing)
                 for job in jobs.values()
                 if job.entry.priority is BACKGROUND
             )
-            room = self.background_slots - held - self.reader.held  # (held: any level)
-            self.intake.streams.caps[BACKGROUND] = max(0, room)
-        return 0 if self.claimer.inheriting else self.budget()
+            self.intake.streams.caps[BACKGROUND] = max(0, budget - self.reader.held)
+            budget += min(extra, background)
+        return 0 if self.claimer.inheriting else budget
 
     # -- the intake's round trips --------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:

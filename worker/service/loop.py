@@ -133,7 +133,7 @@ class WorkerService:
             self.outbox,
             self.metrics,
             worker_name=name,
-            background_slots=wsettings.background_slots,
+            slots_from_batch=wsettings.slots_from_batch,
         )
         self.failures = StepFailures(self.feed, self.outbox, worker_name=name)
         self.heartbeat = Heartbeat(
