@@ -105,7 +105,7 @@ def test_a_runner_sigkilled_mid_batch_is_taken_over(bsettings: Settings, log_dir
 def test_a_worker_sigkilled_mid_batch_loses_nothing(
     bsettings: Settings, workers: list[Worker]
 ) -> None:
-    lines = [chat_line(i, max_tokens=24) for i in range(40)]
+    lines = [chat_line(i, max_tokens=24 if i % 2 else 120) for i in range(40)]
 
     async def body(env: Env) -> None:
         b = await upload_and_create(env, lines)
@@ -113,8 +113,13 @@ def test_a_worker_sigkilled_mid_batch_loses_nothing(
         task = asyncio.create_task(runner.run())
         try:
             await wait_batch(env, b.id, lambda x: x.completed >= 4)
-            held = await _running_on(env, b.id, workers[0].name)
+            await _running_on(env, b.id, workers[0].name)
             workers[0].signal(signal.SIGKILL)
+            while workers[0].alive():
+                await asyncio.sleep(0.01)
+            # what it held when it died: its records stay "running" under its name until the
+            # other worker claims them (after its heartbeat lapses), so this read is exact
+            held = await _running_on(env, b.id, workers[0].name)
             b = await wait_batch(env, b.id, final)
         finally:
             task.cancel()

@@ -20,6 +20,7 @@ from tokenfleet.worker.engine.batch import StepBatch
 from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
 from tokenfleet.worker.engine.config import EngineConfig, with_overrides
 from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
+from tokenfleet.worker.engine.offline import generate
 from tokenfleet.worker.engine.outputs import (
     CompletionOutput,
     EngineCapacity,
@@ -197,7 +198,7 @@ class Engine:
         req.finish_reason = reason
         req.error_code, req.error_message = refusal or (None, None)
         req.timings.finish_time = time.time()
-        self._pending.append(self._output(req, [], []))
+        self._pending.append(_output(req, [], []))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. True if it was unfinished.
@@ -206,7 +207,7 @@ class Engine:
         req = self.scheduler.abort(request_id)
         if req is None:
             return False
-        self._pending.append(self._output(req, [], []))
+        self._pending.append(_output(req, [], []))
         return True
 
     def has_unfinished(self) -> bool:
@@ -278,7 +279,7 @@ class Engine:
         """A step cut short: nothing was computed (the scheduler's counts are unchanged, so
         the same chunks run again next step); only ends decided outside the model are reported."""
         outputs, self._pending = self._pending, []
-        outputs.extend(self._output(req, [], []) for req in scheduled.finished)
+        outputs.extend(_output(req, [], []) for req in scheduled.finished)
         for out in outputs:
             del self._requests[out.request_id]
             del self._detokenizers[out.request_id]
@@ -288,7 +289,7 @@ class Engine:
         self, scheduled: SchedulerOutput, logits: torch.Tensor | None
     ) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        outputs.extend(self._output(req, [], []) for req in scheduled.finished)
+        outputs.extend(_output(req, [], []) for req in scheduled.finished)
         self.scheduler.update_after_step(scheduled)
         sampling = [
             req
@@ -329,7 +330,7 @@ class Engine:
                 if detok.stopped:  # the flushed tail completed a stop string
                     reason = FinishReason.STOP
             self.scheduler.finish(req, reason)
-        return self._output(req, [token_id], [piece])
+        return _output(req, [token_id], [piece])
 
     def _stop_reason(
         self, req: Request, token_id: int, detok: IncrementalDetokenizer
@@ -351,23 +352,11 @@ class Engine:
             return None
         return self._stop_reason(req, req.output_token_ids[-1], detok)
 
-    def _output(self, req: Request, token_ids: list[int], texts: list[str]) -> RequestOutput:
-        finished = req.status is RequestStatus.FINISHED
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=token_ids,
-            new_texts=texts,
-            first_index=req.num_output_tokens - len(token_ids),
-            finished=finished,
-            finish_reason=req.finish_reason if finished else None,
-            error_code=req.error_code,
-            error_message=req.error_message,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_output_tokens=req.num_output_tokens,
-            timings=dataclasses.replace(req.timings) if finished else None,
-        )
-
     # ---------------------------------------------------------------------------- offline
+
+    def prompt_token_ids(self, request_id: str) -> list[int]:
+        """The prompt tokens of an unfinished request (``KeyError`` for an unknown id)."""
+        return list(self._requests[request_id].prompt_token_ids)
 
     def generate(
         self,
@@ -375,27 +364,21 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[CompletionOutput]:
         """Run ``prompts`` to completion (offline use; the engine must be idle), in order."""
-        if self.has_unfinished():
-            raise RuntimeError("generate() needs an idle engine; drive step() instead")
-        if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompts)
-        else:
-            params_list = list(params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"{len(params_list)} params for {len(prompts)} prompts")
-        batch_id = next(self._generate_ids)
-        ids = [f"generate-{batch_id}-{i}" for i in range(len(prompts))]
-        results = {rid: CompletionOutput(request_id=rid) for rid in ids}
-        for rid, prompt, p in zip(ids, prompts, params_list, strict=True):
-            self.add_request(rid, prompt, p)
-            results[rid].prompt_token_ids = list(self._requests[rid].prompt_token_ids)
-        while self.has_unfinished():
-            for out in self.step():
-                res = results[out.request_id]
-                res.token_ids.extend(out.new_token_ids)
-                res.text += out.new_text
-                if out.finished:
-                    res.finish_reason = out.finish_reason
-                    res.error_code, res.error_message = out.error_code, out.error_message
-                    res.timings = out.timings
-        return [results[rid] for rid in ids]
+        return generate(self, prompts, params, batch_id=next(self._generate_ids))
+
+
+def _output(req: Request, token_ids: list[int], texts: list[str]) -> RequestOutput:
+    finished = req.status is RequestStatus.FINISHED
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=token_ids,
+        new_texts=texts,
+        first_index=req.num_output_tokens - len(token_ids),
+        finished=finished,
+        finish_reason=req.finish_reason if finished else None,
+        error_code=req.error_code,
+        error_message=req.error_message,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        timings=dataclasses.replace(req.timings) if finished else None,
+    )

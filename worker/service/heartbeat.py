@@ -71,3 +71,23 @@ class Heartbeat:
         pipe.delete(self.keys.worker(self.worker_name))
         pipe.zrem(self.keys.workers, self.worker_name)
         pipe.execute()
+
+
+def worker_stats(
+    ws: Any, engine: Any, *, running: int, kv_total: int, tokens_total: int, stopping: bool
+) -> dict[str, Any]:
+    """The stats a beat carries (``tokenfleet status`` shows them): model, priorities, running
+    and waiting requests, KV blocks (before the first step the engine's free blocks are its
+    total), tokens published, whether the worker is stopping."""
+    cap = engine.capacity()
+    used = engine.last_step_stats.num_kv_blocks_used
+    return {
+        "model": ws.model_name,
+        "priorities": ",".join(p.label for p in ws.priorities),
+        "running": running,
+        "waiting": cap.num_waiting,
+        "kv_blocks_used": used,
+        "kv_blocks_total": kv_total or used + cap.free_kv_blocks,
+        "tokens_total": tokens_total,
+        "stopping": int(stopping),
+    }

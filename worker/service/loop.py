@@ -65,7 +65,7 @@ from tokenfleet.worker.service.adapter import EngineAdapter, MakeParams, engine_
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.feed import PREPARED_POLL_S, Feeder
 from tokenfleet.worker.service.handback import hand_back
-from tokenfleet.worker.service.heartbeat import Heartbeat
+from tokenfleet.worker.service.heartbeat import Heartbeat, worker_stats
 from tokenfleet.worker.service.metrics import WorkerMetrics
 from tokenfleet.worker.service.outage import (
     EXIT_REDIS_UNAVAILABLE,
@@ -373,23 +373,20 @@ class WorkerService:
             log.exception("worker %s: could not remove its heartbeat", self.ws.name)
 
     def _beat(self, redis_state: str = "ok") -> None:
-        cap = self.engine.capacity()
-        used = self.engine.last_step_stats.num_kv_blocks_used
+        stats = worker_stats(
+            self.ws,
+            self.engine,
+            running=len(self.table.jobs),
+            kv_total=self._kv_total,
+            tokens_total=self._tokens_total,
+            stopping=self.stop_requested,
+        )
+        pool = {f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}
+        outage = {
+            "redis_outages": self.outage.outages,
+            "redis_outage_s": round(self.outage.waited_s, 1),
+        }
         self.heartbeat.beat(
-            {
-                "model": self.ws.model_name,
-                "priorities": ",".join(p.label for p in self.ws.priorities),
-                "running": len(self.table.jobs),
-                "waiting": cap.num_waiting,
-                "kv_blocks_used": used,
-                # before the first step the engine's free blocks are its total
-                "kv_blocks_total": self._kv_total or used + cap.free_kv_blocks,
-                "tokens_total": self._tokens_total,
-                "stopping": int(self.stop_requested),
-                "redis_state": redis_state,  # "recovering" right after an outage
-                "redis_outages": self.outage.outages,
-                "redis_outage_s": round(self.outage.waited_s, 1),
-                **({f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}),
-            },
+            {**stats, "redis_state": redis_state, **outage, **pool},
             serving=not self.stop_requested,  # a stopping worker takes no new work
         )
