@@ -295,5 +295,3 @@ class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys, _Batc
     def for_settings(cls, settings: Settings) -> Keys:
         """The fleet's names for ``settings``: its key prefix, hash-tagged in cluster mode."""
         return cls(settings.key_prefix, cluster=settings.redis_mode == "cluster")
-
-
