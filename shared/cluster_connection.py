@@ -13,7 +13,8 @@ every script, pipeline and pub/sub subscription, exactly as on a standalone Redi
   by the pool or not (``worker.pipelined.dedicated_connection``, the producer's pub/sub
   connection build from ``connection_kwargs``), and turns a reply that says the slot is not
   (or not yet, or no longer) served here — ``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``,
-  ``READONLY``, ``MASTERDOWN`` — into :class:`SlotMoved`, a ``redis.ConnectionError``, after
+  ``READONLY``, ``MASTERDOWN``, and ``UNBLOCKED`` (a blocked read the node ended because it
+  became a replica) — into :class:`SlotMoved`, a ``redis.ConnectionError``, after
   closing itself. The callers' outage handling (the worker's loop, a handle's retries, the
   gateway's) then reconnects, which resolves the owner anew: a failover or a migration of the
   slot is ridden out like a short outage, with the machinery that already exists.
@@ -41,13 +42,21 @@ from redis.exceptions import (
 )
 
 Address = tuple[str, int]
-_NOT_SERVED_HERE = (MovedError, AskError, TryAgainError, ClusterDownError, ReadOnlyError)
-_NOT_SERVED_HERE += (MasterDownError,)
+_NOT_SERVED_HERE: tuple[type[redis.ResponseError], ...] = (
+    *(MovedError, AskError, TryAgainError, ClusterDownError, ReadOnlyError, MasterDownError),
+)
 
 
 class SlotMoved(redis.ConnectionError):
     """The node this connection reached does not serve the fleet's slot (now): the slot moved
     (failover, migration) or the cluster is down. Handled like a lost connection."""
+
+
+def not_served_here(exc: redis.ResponseError) -> bool:
+    """Whether an error reply says this node does not serve the slot (now): a redirection, the
+    cluster or the primary down, or a blocked read ended by a role change (``UNBLOCKED``, which
+    redis-py leaves a plain ``ResponseError``)."""
+    return isinstance(exc, _NOT_SERVED_HERE) or str(exc).startswith("UNBLOCKED")
 
 
 def fleet_slot(root: str) -> int:
@@ -159,7 +168,9 @@ class SlotConnection(redis.Connection):
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().read_response(*args, **kwargs)
-        except _NOT_SERVED_HERE as exc:
+        except redis.ResponseError as exc:
+            if not not_served_here(exc):
+                raise
             self.disconnect()
             raise SlotMoved(f"{self.host}:{self.port} does not serve the slot now: {exc}") from exc
 
@@ -183,7 +194,9 @@ class AsyncSlotConnection(redis.asyncio.Connection):
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return await super().read_response(*args, **kwargs)
-        except _NOT_SERVED_HERE as exc:
+        except redis.ResponseError as exc:
+            if not not_served_here(exc):
+                raise
             await self.disconnect()
             raise SlotMoved(f"{self.host}:{self.port} does not serve the slot now: {exc}") from exc
 
