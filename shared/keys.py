@@ -1,7 +1,9 @@
 """Every Redis key, stream, consumer group and channel name tokenfleet uses, built in one place.
 
 All names start with the fleet's key prefix so several fleets can share one Redis. Lua scripts
-never build names themselves: they receive them through ``KEYS[]``.
+never build names themselves: they receive them through ``KEYS[]``. In Redis Cluster mode ``P``
+below is written ``{P}`` (a hash tag: the whole fleet in one slot; docs/protocol.md, "Redis
+Cluster: one hash slot per fleet").
 
 Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = request id)::
 
