@@ -46,29 +46,33 @@ def settings_for(url: str, mode: str, prefix: str) -> Settings:
     return Settings(redis_url=url, redis_mode=mode, key_prefix=prefix)
 
 
-def bulk_side_by_side(plain_url: str, cluster_url: str, n: int) -> tuple[float, float]:
-    """(standalone req/s, cluster req/s) of submit_many, alternating blocks of BATCH."""
+def bulk_side_by_side(plain_url: str, cluster_url: str, n: int) -> tuple[float, float, float]:
+    """Medians over blocks of BATCH, the two sides alternating (each goes first in turn):
+    standalone req/s, cluster req/s, and the ratio of each block pair (robust to a machine
+    whose load changes during the run)."""
     clients = [
         Client.from_url(settings=settings_for(plain_url, "standalone", "bench-bulk")),
         Client.from_url(settings=settings_for(cluster_url, "cluster", "bench-bulk")),
     ]
-    spent = [0.0, 0.0]
+    rates: list[list[float]] = [[], []]
     try:
         for c in clients:
             c.set_queue_config("normal", max_waiting=10_000_000)
             c.submit_many([PROMPT] * 100)  # warm-up: scripts loaded, connections open
-        for start in range(0, n, BATCH):
+        for block, start in enumerate(range(0, n, BATCH)):
             size = min(BATCH, n - start)
-            for i, c in enumerate(clients):
+            for i in (0, 1) if block % 2 == 0 else (1, 0):  # each side goes first in turn
+                c = clients[i]
                 t0 = time.perf_counter()
                 out = c.submit_many([{"prompt": PROMPT, "max_tokens": 64}] * size)
-                spent[i] += time.perf_counter() - t0
+                rates[i].append(size / (time.perf_counter() - t0))
                 if any(isinstance(x, Exception) for x in out):
                     raise RuntimeError("a request was refused during the benchmark")
     finally:
         for c in clients:
             c.close()
-    return n / spent[0], n / spent[1]
+    ratios = [c / p for p, c in zip(rates[0], rates[1], strict=True)]
+    return statistics.median(rates[0]), statistics.median(rates[1]), statistics.median(ratios)
 
 
 def end_to_end(url: str, mode: str, model: Path, n: int, round_no: int) -> float:
@@ -151,6 +155,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--producers", default="1,2,4")
     parser.add_argument("--per-producer-n", type=int, default=10_000)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
@@ -162,10 +167,11 @@ def main() -> None:
             version = r.info("server")["redis_version"]
         print(f"redis-server {version}: standalone, and a cluster of 3 primaries + 3 replicas")
         print(f"cpus: {os.cpu_count()}")
-        plain_rate, cluster_rate = bulk_side_by_side(server.url, curl, args.bulk_n)
-        print(f"\n1. submit_many, 1 producer, {args.bulk_n} requests (alternating blocks):")
+        plain_rate, cluster_rate, ratio = bulk_side_by_side(server.url, curl, args.bulk_n)
+        print(f"\n1. submit_many, 1 producer, {args.bulk_n} requests in alternating blocks of "
+              f"{BATCH} (medians over blocks):")  # fmt: skip
         print(f"   standalone {plain_rate:9,.0f} req/s   cluster {cluster_rate:9,.0f} req/s"
-              f"   cluster/standalone {cluster_rate / plain_rate:.2f}")  # fmt: skip
+              f"   cluster/standalone (per block pair) {ratio:.2f}")  # fmt: skip
         e2e: dict[str, list[float]] = {"standalone": [], "cluster": []}
         for rnd in range(args.rounds):
             e2e["standalone"].append(end_to_end(server.url, "standalone", model, args.e2e_n, rnd))
@@ -176,13 +182,20 @@ def main() -> None:
         print(f"   standalone {med['standalone']:.2f} req/s ({med['standalone'] * 32:.0f} tok/s)"
               f"   cluster {med['cluster']:.2f} req/s ({med['cluster'] * 32:.0f} tok/s)"
               f"   cluster/standalone {med['cluster'] / med['standalone']:.2f}")  # fmt: skip
-        print(f"\n3. producers (processes) x {args.per_producer_n} requests each, on the cluster:")
+        print(f"\n3. producers (processes) x {args.per_producer_n} requests each, on the cluster, "
+              f"median of {args.repeats} (one fleet and spread alternating):")  # fmt: skip
         print("   producers   one fleet (1 slot) req/s   one fleet each (spread) req/s   primaries")
         for count in (int(x) for x in args.producers.split(",")):
             spread = prefixes_on_distinct_primaries(cluster, count, f"bench-spread{count}")
             owners = {cluster.owner_port(fleet_slot(Keys(p, cluster=True).root)) for p in spread}
-            one = producers(curl, [f"bench-one{count}"] * count, args.per_producer_n)
-            many = producers(curl, spread, args.per_producer_n)
+            ones, manys = [], []
+            for rep in range(args.repeats):
+                ones.append(
+                    producers(curl, [f"bench-one{count}-{rep}"] * count, args.per_producer_n)
+                )
+                spread = prefixes_on_distinct_primaries(cluster, count, f"bench-s{count}-{rep}")
+                manys.append(producers(curl, spread, args.per_producer_n))
+            one, many = statistics.median(ones), statistics.median(manys)
             print(f"   {count:9d}   {one:24,.0f}   {many:29,.0f}   {len(owners)}")
     server.stop()
 
