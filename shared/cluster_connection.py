@@ -19,6 +19,13 @@ every script, pipeline and pub/sub subscription, exactly as on a standalone Redi
   gateway's) then reconnects, which resolves the owner anew: a failover or a migration of the
   slot is ridden out like a short outage, with the machinery that already exists.
 
+A command that got such a reply did not run (the node refused it before running it), so sending
+it again is always safe: :func:`slot_retry` gives the connections a redis-py ``Retry`` on
+``SlotMoved`` only (a few tries within about a second), so a one-shot command (a handle's
+``status()``) sent on a pooled connection still connected to the old owner reaches the new one
+without its caller seeing anything. Any other lost connection is left to the callers, as in the
+other modes.
+
 Invariant: a connection of these classes is only ever connected to the node a cluster node
 named as the slot's primary at the moment it connected, and it never returns a redirection
 reply to its caller.
@@ -31,6 +38,9 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.retry
+import redis.retry
+from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -203,6 +213,15 @@ class AsyncSlotConnection(redis.asyncio.Connection):
 
 class AsyncSlotSSLConnection(AsyncSlotConnection, redis.asyncio.SSLConnection):
     """Asyncio, TLS."""
+
+
+SLOT_RETRIES = 6  # backoff 20, 40, ... 500 ms: about 1.3 s of a slot changing hands
+
+
+def slot_retry(module: Any) -> Any:
+    """A ``Retry`` (of ``module``: ``redis`` or ``redis.asyncio``) on :class:`SlotMoved` only."""
+    backoff = ExponentialBackoff(cap=0.5, base=0.02)
+    return module.retry.Retry(backoff, SLOT_RETRIES, supported_errors=(SlotMoved,))
 
 
 def is_slot_client(client: Any) -> bool:

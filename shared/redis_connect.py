@@ -49,6 +49,7 @@ from tokenfleet.shared.cluster_connection import (
     SlotOwner,
     SlotSSLConnection,
     fleet_slot,
+    slot_retry,
 )
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.sentinel_connection import (
@@ -134,6 +135,7 @@ def _slot_kwargs(
         **settings.redis_options(),
         "connection_class": connection_class,
         "slot_owner": owner,
+        "retry": slot_retry(module),  # a refused command did not run: resend it at once
     }
 
 

@@ -10,6 +10,7 @@ Each test has its own key prefix, so its own slot (``{hafo}``, ``{hamig}``)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,12 +20,13 @@ import pytest
 import redis
 from ha_helpers import DEADLINE_S, HAWorker, cluster_settings, wait_for
 
-from tokenfleet.producer import Client
+from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -63,9 +65,30 @@ def migration_workers(
         w.close()
 
 
+def follow_async(
+    settings: Settings, rids: list[str], streams: dict[str, list[Any]], errors: list[BaseException]
+) -> None:
+    """Follow ``rids`` with an ``AsyncClient`` (the gateway's client) on a loop of its own."""
+
+    async def body() -> None:
+        async with AsyncClient.from_url(settings=settings) as client:
+
+            async def one(rid: str) -> None:
+                handle = client.handle(rid)
+                streams[rid] = [e async for e in handle.stream(timeout=DEADLINE_S)]
+
+            await asyncio.gather(*(one(rid) for rid in rids))
+
+    try:
+        asyncio.run(body())
+    except BaseException as exc:  # reported by the test
+        errors.append(exc)
+
+
 def run_through(cluster: LocalCluster, prefix: str, event: Callable[[int], str]) -> None:
     """Run the load, call ``event(slot)`` once some requests are done and some running, and
-    check every request ended once, gap-free, and is durable on the slot's owner after."""
+    check every request ended once, gap-free, and is durable on the slot's owner after. Half the
+    streams are followed by the sync client, half by the asyncio one."""
     settings = cluster_settings(cluster, prefix)
     keys = Keys.for_settings(settings)
     slot = fleet_slot(keys.root)
@@ -83,7 +106,12 @@ def run_through(cluster: LocalCluster, prefix: str, event: Callable[[int], str])
             client.submit(f"Cluster load {i}", max_tokens=MAX_TOKENS, ignore_eos=True)
             for i in range(NUM_REQUESTS)
         ]
-        threads = [threading.Thread(target=follow, args=(h,)) for h in handles]
+        half = NUM_REQUESTS // 2
+        threads = [threading.Thread(target=follow, args=(h,)) for h in handles[:half]]
+        rids = [h.request_id for h in handles[half:]]
+        threads.append(
+            threading.Thread(target=follow_async, args=(settings, rids, streams, errors))
+        )
         for t in threads:
             t.start()
 
@@ -106,6 +134,7 @@ def run_through(cluster: LocalCluster, prefix: str, event: Callable[[int], str])
         for t in threads:
             t.join(DEADLINE_S)
         assert not errors, errors
+        assert len(streams) == NUM_REQUESTS
         statuses = [str(client.status(h.request_id).status.value) for h in handles]
     gap_free = 0
     for rid, events in streams.items():
