@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.cluster_connection import fleet_slot
@@ -108,7 +109,7 @@ def end_to_end(url: str, mode: str, model: Path, n: int, round_no: int) -> float
         proc.wait(30)
 
 
-def _producer(url: str, prefix: str, n: int, start_at: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+def _producer(url: str, prefix: str, n: int, start_at: float, out: Any) -> None:
     with Client.from_url(settings=settings_for(url, "cluster", prefix)) as client:
         client.set_queue_config("normal", max_waiting=10_000_000)
         client.submit_many([PROMPT] * 50)
