@@ -166,6 +166,8 @@ def test_a_cluster_failover_mid_run_loses_no_request_and_no_token(
         return f"CLUSTER FAILOVER of slot {slot}: {old} -> {new}"
 
     run_through(redis_cluster, "hafo", failover)
+    for w in failover_workers:  # the demoted node ended the doorbell's XREAD: re-armed, not off
+        assert "doorbell's XREAD was refused" not in w.output(), w.output()
 
 
 def test_a_slot_migration_mid_run_loses_no_request_and_no_token(
