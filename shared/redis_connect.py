@@ -27,7 +27,7 @@ The sync client also carries ``Settings.redis_wait_replicas`` (``shared.replica_
 worker's pipelines then end each round trip with ``WAIT``.
 
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
-setting switches all of them (tests/ha checks the full path in sentinel mode).
+setting switches all of them (tests/ha checks the full path in sentinel and in cluster mode).
 """
 
 from __future__ import annotations
