@@ -18,7 +18,10 @@ from tokenfleet.producer.async_io.subscriber import AsyncSubscriber
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
-from tokenfleet.producer.core.subscriptions import pubsub_connection_factory
+from tokenfleet.producer.core.subscriptions import (
+    pubsub_connection_factory,
+    subscribe_commands,
+)
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
@@ -43,7 +46,7 @@ class AsyncClient(ClientCore[AsyncHandle]):
     ) -> None:
         # the reader task waits on the connection itself: no read timeout on it
         factory = pubsub_connection_factory(redis_client, socket_timeout=None)
-        subscriber = AsyncSubscriber(factory)
+        subscriber = AsyncSubscriber(factory, commands=subscribe_commands(redis_client))
         super().__init__(
             subscriber,
             settings=settings,

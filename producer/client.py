@@ -15,7 +15,10 @@ import redis
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
-from tokenfleet.producer.core.subscriptions import pubsub_connection_factory
+from tokenfleet.producer.core.subscriptions import (
+    pubsub_connection_factory,
+    subscribe_commands,
+)
 from tokenfleet.producer.handle import Handle
 from tokenfleet.producer.sync_io.driver import SyncDriver
 from tokenfleet.producer.sync_io.subscriber import Subscriber
@@ -50,7 +53,9 @@ class Client(ClientCore[Handle]):
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
-        subscriber = Subscriber(pubsub_connection_factory(redis_client))
+        subscriber = Subscriber(
+            pubsub_connection_factory(redis_client), commands=subscribe_commands(redis_client)
+        )
         super().__init__(
             subscriber,
             settings=settings,

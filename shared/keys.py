@@ -1,7 +1,9 @@
 """Every Redis key, stream, consumer group and channel name tokenfleet uses, built in one place.
 
 All names start with the fleet's key prefix so several fleets can share one Redis. Lua scripts
-never build names themselves: they receive them through ``KEYS[]``.
+never build names themselves: they receive them through ``KEYS[]``. In Redis Cluster mode ``P``
+below is written ``{P}`` (a hash tag: the whole fleet in one slot; docs/protocol.md, "Redis
+Cluster: one hash slot per fleet").
 
 Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = request id)::
 
@@ -46,6 +48,7 @@ from dataclasses import dataclass
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.settings import Settings
 
 CONSUMER_GROUP = "workers"
 DEFAULT_MODEL = "default"
@@ -83,95 +86,112 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-class _GatewayKeys:
+class _Root:
+    """What every name starts with, a base of :class:`Keys` (whose fields these are)."""
+
+    __slots__ = ()
+    prefix: str
+    cluster: bool
+
+    @property
+    def root(self) -> str:
+        """The first segment of every name: ``prefix``, or ``{prefix}`` on a cluster."""
+        return f"{{{self.prefix}}}" if self.cluster else self.prefix
+
+    @property
+    def publish_command(self) -> str:
+        """The command that publishes on this fleet's channels (scripts get it in ARGV):
+        ``PUBLISH``, or ``SPUBLISH`` on a cluster (a plain PUBLISH is broadcast to every node;
+        a sharded one stays on the slot's shard)."""
+        return "SPUBLISH" if self.cluster else "PUBLISH"
+
+
+class _GatewayKeys(_Root):
     """The HTTP gateway's names, a base of :class:`Keys` (use them through ``Keys``): kept in a
     class of their own so that no class here outgrows tests/test_layout.py's method limit."""
 
     __slots__ = ()
-    prefix: str  # the field of Keys
 
     # -- gateway API keys ---------------------------------------------------------------------
     def api_key(self, key_id: str) -> str:
         """Hash: one API key's record (digest, never the key) and its quota buckets."""
-        return f"{self.prefix}:apikey:{key_id}"
+        return f"{self.root}:apikey:{key_id}"
 
     @property
     def api_keys(self) -> str:
         """Set of the ids of every API key ever created (revoked ones stay listed)."""
-        return f"{self.prefix}:apikeys"
+        return f"{self.root}:apikeys"
 
     @property
     def api_key_names(self) -> str:
         """Hash: name -> id of each live API key (names are unique among live keys)."""
-        return f"{self.prefix}:apikeys:names"
+        return f"{self.root}:apikeys:names"
 
 
-class _BatchKeys:
+class _BatchKeys(_Root):
     """The Batch API's names (files, batches, ledgers, leases), a base of :class:`Keys`."""
 
     __slots__ = ()
-    prefix: str
 
     def file(self, file_id: str) -> str:
         """Hash: one Batch API file's object."""
-        return f"{self.prefix}:file:{file_id}"
+        return f"{self.root}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
         """List: the file's JSONL lines (no newlines)."""
-        return f"{self.prefix}:file:{file_id}:lines"
+        return f"{self.root}:file:{file_id}:lines"
 
     def batch(self, batch_id: str) -> str:
         """Hash: one batch's object, counts and cursor."""
-        return f"{self.prefix}:batch:{batch_id}"
+        return f"{self.root}:batch:{batch_id}"
 
     def batch_done(self, batch_id: str) -> str:
         """Hash: line index -> "ok" | "err" (the exactly-once ledger)."""
-        return f"{self.prefix}:batch:{batch_id}:done"
+        return f"{self.root}:batch:{batch_id}:done"
 
     def batch_lease(self, batch_id: str) -> str:
         """String: the driving runner's token, with a PX expiry."""
-        return f"{self.prefix}:batch:{batch_id}:lease"
+        return f"{self.root}:batch:{batch_id}:lease"
 
     @property
     def batches(self) -> str:
         """Sorted set: batch id -> created_at."""
-        return f"{self.prefix}:batches"
+        return f"{self.root}:batches"
 
     @property
     def batches_active(self) -> str:
         """Set: ids of the batches runners drive (not final yet)."""
-        return f"{self.prefix}:batches:active"
+        return f"{self.root}:batches:active"
 
     @property
     def owners(self) -> str:
         """Hash: file or batch id -> the id of the API key that owns it (keys on)."""
-        return f"{self.prefix}:owners"
+        return f"{self.root}:owners"
 
 
-class _QueueKeys:
+class _QueueKeys(_Root):
     """Queues: streams, their settings, their counters."""
 
     __slots__ = ()
-    prefix: str
 
     def stream(self, model: str, priority: Priority) -> str:
         """The stream holding one (model, priority) queue."""
-        return f"{self.prefix}:q:{model}:{priority.label}"
+        return f"{self.root}:q:{model}:{priority.label}"
 
     def queue_config(self, model: str, priority: Priority) -> str:
         """Hash with the queue's ``max_waiting`` and ``policy``."""
-        return f"{self.prefix}:qcfg:{model}:{priority.label}"
+        return f"{self.root}:qcfg:{model}:{priority.label}"
 
     @property
     def queues(self) -> str:
         """Set of ``model|label`` names of every queue used so far."""
-        return f"{self.prefix}:queues"
+        return f"{self.root}:queues"
 
     @property
     def drained(self) -> str:
         """Hash: ``model|label`` -> how many requests workers have started from that queue (a
         counter; its rate is the queue's drain rate, read by the gateway for Retry-After)."""
-        return f"{self.prefix}:drained"
+        return f"{self.root}:drained"
 
     @staticmethod
     def queue_member(model: str, priority: Priority) -> str:
@@ -179,91 +199,101 @@ class _QueueKeys:
         return f"{model}|{priority.label}"
 
 
-class _RequestKeys:
+class _RequestKeys(_Root):
     """One request's record, tokens and channel; the cancel set."""
 
     __slots__ = ()
-    prefix: str
 
     def record(self, request_id: str) -> str:
         """Hash: the request's durable record."""
-        return f"{self.prefix}:req:{request_id}"
+        return f"{self.root}:req:{request_id}"
 
     def tokens(self, request_id: str) -> str:
         """List of encoded token events; element ``i`` has index ``i``."""
-        return f"{self.prefix}:req:{request_id}:tok"
+        return f"{self.root}:req:{request_id}:tok"
 
     def channel(self, request_id: str) -> str:
         """Pub/sub channel carrying the request's token and terminal events."""
-        return f"{self.prefix}:ch:{request_id}"
+        return f"{self.root}:ch:{request_id}"
 
     @property
     def cancel_set(self) -> str:
         """Set of running request ids whose cancellation was asked for."""
-        return f"{self.prefix}:cancel"
+        return f"{self.root}:cancel"
 
 
-class _WorkerKeys:
+class _WorkerKeys(_Root):
     """Workers' heartbeats and the dead-letter stream."""
 
     __slots__ = ()
-    prefix: str
 
     def worker(self, name: str) -> str:
         """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
-        return f"{self.prefix}:worker:{name}"
+        return f"{self.root}:worker:{name}"
 
     @property
     def workers(self) -> str:
         """Sorted set: worker name -> time of its last heartbeat (epoch seconds)."""
-        return f"{self.prefix}:workers"
+        return f"{self.root}:workers"
 
     @property
     def dead_letter(self) -> str:
         """Stream of entries no worker could decode or validate."""
-        return f"{self.prefix}:dead"
+        return f"{self.root}:dead"
 
     @property
     def served(self) -> str:
         """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
         serves that model (``ZADD GT``: the latest expiry of its servers); served while in the
         future."""
-        return f"{self.prefix}:served"
+        return f"{self.root}:served"
 
     @property
     def declared(self) -> str:
         """Set: model names the fleet declares (``tokenfleet models declare``), accepted at
         submit even while no live worker serves them."""
-        return f"{self.prefix}:models"
+        return f"{self.root}:models"
 
 
-class _PoolKeys:
+class _PoolKeys(_Root):
     """Shared KV pools."""
 
     __slots__ = ()
-    prefix: str
 
     def pool(self, name: str) -> str:
         """Hash: a shared KV pool's settings."""
-        return f"{self.prefix}:pool:{name}"
+        return f"{self.root}:pool:{name}"
 
     def pool_members(self, name: str) -> str:
         """Hash: member -> encoded member state of a shared KV pool."""
-        return f"{self.prefix}:pool:{name}:members"
+        return f"{self.root}:pool:{name}:members"
 
     def pool_preemptions(self, name: str) -> str:
         """Hash: donor member -> encoded pending preemption request."""
-        return f"{self.prefix}:pool:{name}:preempt"
+        return f"{self.root}:pool:{name}:preempt"
 
     @property
     def pools(self) -> str:
         """Set of pool names."""
-        return f"{self.prefix}:pools"
+        return f"{self.root}:pools"
 
 
 @dataclass(frozen=True, slots=True)
 class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys, _BatchKeys):
     """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
-    in groups, one base class per room of the layout above."""
+    in groups, one base class per room of the layout above.
+
+    ``cluster`` (Redis Cluster mode, built by :meth:`for_settings`): every name starts with
+    ``{prefix}`` instead of ``prefix``. The braces are a hash tag, so every key and channel of
+    the fleet hashes to one slot and every script, MULTI and pipeline stays single-slot; the
+    channels are then sharded pub/sub ones (:attr:`publish_command`). Invariant: with
+    ``cluster`` False every name is byte-for-byte what it was before cluster mode existed.
+    """
 
     prefix: str = "tokenfleet"
+    cluster: bool = False
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> Keys:
+        """The fleet's names for ``settings``: its key prefix, hash-tagged in cluster mode."""
+        return cls(settings.key_prefix, cluster=settings.redis_mode == "cluster")

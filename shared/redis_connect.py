@@ -14,13 +14,20 @@
   ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``,
   the producer's pub/sub connection) resolves the primary the same way
   (``shared.sentinel_connection``).
-- ``cluster``: refused with ``SettingsError`` (cluster mode needs a key design, pending).
+- ``cluster``: the primary that owns the fleet's hash slot (every name starts with the hash tag
+  ``{prefix}``: ``shared.keys.Keys.for_settings``). ``redis_url`` names any node of the cluster
+  (the seed; the client then remembers every node the cluster reports), with credentials and
+  TLS; its db must be 0. Each new connection asks a node which primary owns the slot
+  (``CLUSTER SLOTS``), and a redirection reply (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``,
+  ``READONLY``) closes it and is raised as a ``ConnectionError``, so the callers' outage handling
+  reconnects to the slot's owner after a failover or a migration (``shared.cluster_connection``;
+  dedicated and pub/sub connections resolve it the same way).
 
 The sync client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
 worker's pipelines then end each round trip with ``WAIT``.
 
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
-setting switches all of them (tests/ha checks the full path in sentinel mode).
+setting switches all of them (tests/ha checks the full path in sentinel and in cluster mode).
 """
 
 from __future__ import annotations
@@ -34,7 +41,17 @@ import redis.sentinel
 from redis.connection import parse_url
 
 from tokenfleet.shared import replica_wait
-from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.cluster_connection import (
+    AsyncSlotConnection,
+    AsyncSlotOwner,
+    AsyncSlotSSLConnection,
+    SlotConnection,
+    SlotOwner,
+    SlotSSLConnection,
+    fleet_slot,
+    slot_retry,
+)
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.sentinel_connection import (
     AsyncPrimaryConnection,
     AsyncPrimarySSLConnection,
@@ -45,11 +62,6 @@ from tokenfleet.shared.sentinel_connection import (
 )
 from tokenfleet.shared.settings import Settings
 
-CLUSTER_REFUSAL = (
-    "TOKENFLEET_REDIS_MODE=cluster is not supported yet: tokenfleet's keys are not yet laid out "
-    "in hash slots for Redis Cluster (key design pending, issue 20); use standalone or sentinel"
-)
-
 
 def redis_client(settings: Settings) -> redis.Redis:
     """A sync client with its own connection pool, in the settings' mode."""
@@ -59,8 +71,10 @@ def redis_client(settings: Settings) -> redis.Redis:
         )
         kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
         client = sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
+    elif settings.redis_mode == "cluster":
+        kwargs = _slot_kwargs(settings, SlotOwner, SlotConnection, SlotSSLConnection, redis)
+        client = redis.Redis.from_pool(redis.ConnectionPool(**kwargs))
     else:
-        _refuse_cluster(settings)
         client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
     return replica_wait.attach(client, _wait(settings))
 
@@ -75,7 +89,14 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         return sentinel.master_for(
             settings.sentinel_service, redis_class=AsyncSentinelRedis, **kwargs
         )
-    _refuse_cluster(settings)
+    if settings.redis_mode == "cluster":
+        kwargs = _slot_kwargs(
+            settings, AsyncSlotOwner, AsyncSlotConnection, AsyncSlotSSLConnection, redis.asyncio
+        )
+        pool = redis.asyncio.BlockingConnectionPool(
+            timeout=settings.redis_socket_timeout_s, **kwargs
+        )
+        return redis.asyncio.Redis.from_pool(pool)
     pool = redis.asyncio.BlockingConnectionPool.from_url(  # at its max: wait, don't fail
         settings.redis_url, timeout=settings.redis_socket_timeout_s, **settings.redis_options()
     )
@@ -88,9 +109,34 @@ def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:
     return replica_wait.ReplicaWait(settings.redis_wait_replicas, settings.redis_wait_ms)
 
 
-def _refuse_cluster(settings: Settings) -> None:
-    if settings.redis_mode == "cluster":
-        raise SettingsError(CLUSTER_REFUSAL)
+def _slot_kwargs(
+    settings: Settings, owner_class: type, plain: type, tls: type, module: Any
+) -> dict[str, Any]:
+    """Pool options for cluster mode: connections of class ``plain`` (``tls`` for
+    ``rediss://``) sharing one slot owner, which asks the URL's node first (``module``: ``redis``
+    or ``redis.asyncio``, for the owner's own query connections)."""
+    from_url = parse_url(settings.redis_url)
+    url_class = from_url.pop("connection_class", None)
+    seed = (from_url.pop("host"), int(from_url.pop("port", 6379)))
+    from_url.pop("db", None)  # a cluster has db 0 only (Settings checks the URL asks no other)
+    is_tls = url_class is not None and issubclass(url_class, (redis.SSLConnection,))
+    is_tls = is_tls or settings.redis_url.startswith("rediss://")
+    query = {
+        **from_url,
+        "socket_timeout": settings.redis_socket_timeout_s,
+        "socket_connect_timeout": settings.redis_connect_timeout_s,
+    }
+    query_class = module.SSLConnection if is_tls else module.Connection
+    slot = fleet_slot(Keys.for_settings(settings).root)
+    owner = owner_class([seed], slot, query_class, query)
+    connection_class = tls if is_tls else plain
+    return {
+        **from_url,
+        **settings.redis_options(),
+        "connection_class": connection_class,
+        "slot_owner": owner,
+        "retry": slot_retry(module),  # a refused command did not run: resend it at once
+    }
 
 
 def _primary_kwargs(settings: Settings, plain: type, tls: type) -> dict[str, Any]:

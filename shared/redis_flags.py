@@ -27,7 +27,7 @@ def add_redis_flags(parser: argparse.ArgumentParser) -> None:
         "--redis-mode",
         default=None,
         choices=REDIS_MODES,
-        help="default: $TOKENFLEET_REDIS_MODE, else standalone (cluster: not supported yet)",
+        help="default: $TOKENFLEET_REDIS_MODE, else standalone (cluster: REDIS_URL names any node)",
     )
     parser.add_argument(
         "--sentinels",

@@ -48,7 +48,8 @@ class Settings:
         redis_mode: how clients reach Redis (``shared.redis_connect`` builds them all):
             ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
             ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
-            ``cluster`` (accepted here, refused when a client is built: not supported yet).
+            ``cluster`` (the primary owning the fleet's one hash slot; ``redis_url`` names any
+            node, db 0: README, "Redis modes").
         sentinels: ``host:port,host:port,...`` of the Sentinel processes (sentinel mode).
         sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
         sentinel_username: ACL user for the sentinels themselves, if they require auth.
@@ -267,6 +268,8 @@ def validate_mode(settings: Settings) -> None:
             f"redis mode {mode!r} is not one of {', '.join(REDIS_MODES)} "
             "(TOKENFLEET_REDIS_MODE / --redis-mode)"
         )
+    if mode == "cluster":
+        _validate_cluster_url(settings.redis_url)
     if mode != "sentinel":
         return
     if not settings.sentinels:
@@ -284,4 +287,19 @@ def validate_mode(settings: Settings) -> None:
         raise SettingsError(
             "sentinel mode reaches the primary over TCP: REDIS_URL may give db, credentials "
             "and TLS (redis:// or rediss://) but not a unix socket"
+        )
+
+
+def _validate_cluster_url(url: str) -> None:
+    """Cluster mode: ``url`` names a node over TCP and asks for db 0 (a cluster has no other)."""
+    parsed = urlparse(url)
+    if parsed.scheme == "unix":
+        raise SettingsError(
+            "cluster mode reaches the nodes over TCP: REDIS_URL names any node of the cluster "
+            "(redis://host:port or rediss://), not a unix socket"
+        )
+    db = parsed.path.strip("/")
+    if db not in ("", "0"):
+        raise SettingsError(
+            f"cluster mode: REDIS_URL {url!r} asks for db {db}; a cluster has db 0 only"
         )

@@ -65,8 +65,15 @@ class AsyncSubscriber:
     subscribed on the current connection or has a SUBSCRIBE in flight.
     """
 
-    def __init__(self, connection_factory: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        connection_factory: Callable[[], Any],
+        *,
+        commands: tuple[str, str] = ("SUBSCRIBE", "UNSUBSCRIBE"),
+    ) -> None:
+        """``commands``: (subscribe, unsubscribe), ``subscriptions.subscribe_commands``."""
         self._factory = connection_factory
+        self._commands = commands
         self._table = SubscriptionTable()
         self._conn: Any = None
         self._broken = False
@@ -86,7 +93,7 @@ class AsyncSubscriber:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
         if self._table.add(channel, sub._box_id, sub.queue.put_nowait, sub.confirmation):
-            await self._send("SUBSCRIBE", channel)
+            await self._send(self._commands[0], channel)
         if confirm:
             await sub.wait_confirmed(timeout)
         return sub
@@ -100,7 +107,7 @@ class AsyncSubscriber:
         except RuntimeError:
             self._broken = True  # called from a finalizer outside the loop: resubscribe fresh
             return
-        task = loop.create_task(self._send("UNSUBSCRIBE", channel))
+        task = loop.create_task(self._send(self._commands[1], channel))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
 
@@ -148,7 +155,7 @@ class AsyncSubscriber:
         self.connects += 1
         channels = self._table.reset_for_reconnect(resync=self.connects > 1)
         if channels:
-            await self._send("SUBSCRIBE", *channels)
+            await self._send(self._commands[0], *channels)
         return True
 
     async def _run(self) -> None:
@@ -169,4 +176,5 @@ class AsyncSubscriber:
                 log.debug("tokenfleet subscriber: reconnecting after %r", exc)
                 self._broken = True
                 continue
-            self._table.dispatch(reply)
+            if self._table.dispatch(reply):  # the cluster moved a channel's slot
+                self._broken = True

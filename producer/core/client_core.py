@@ -72,7 +72,7 @@ class ClientCore(ABC, Generic[H]):
         subscribe_timeout_s: float,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
-        self._keys = Keys(self.settings.key_prefix)
+        self._keys = Keys.for_settings(self.settings)
         self.recheck_s = recheck_s
         self.subscribe_timeout_s = subscribe_timeout_s
         self._subscriber = subscriber

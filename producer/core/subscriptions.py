@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import redis
 
+from tokenfleet.shared.cluster_connection import is_slot_client
+
 RESYNC = "resync"  # put in a mailbox after a reconnect: re-read the record, events may be lost
 CLOSED_MESSAGE = "the client is closed"  # redis.ConnectionError's text once a client is closed
 # After a failed connect the reader waits FIRST s, doubling up to CEILING s (reset on success).
@@ -118,21 +120,35 @@ class SubscriptionTable:
             self.pending[channel] = deque([PendingGroup(waiters, resync=resync)])
         return list(self.channels)
 
-    def dispatch(self, reply: object) -> None:
-        """Route one reply read from the pub/sub connection."""
+    def dispatch(self, reply: object) -> bool:
+        """Route one reply read from the pub/sub connection (plain or sharded pub/sub). Returns
+        True if the server dropped a channel still listened to (a Redis Cluster unsubscribes
+        a shard channel when its slot moves to another node: failover, migration); the caller
+        then reconnects, which subscribes again where the slot is now."""
         if not isinstance(reply, list) or len(reply) < 3:
-            return
+            return False
         kind = _text(reply[0])
         channel = _text(reply[1])
-        if kind == "message" and isinstance(reply[2], bytes | str):
+        if kind in ("message", "smessage") and isinstance(reply[2], bytes | str):
             data = reply[2]
             self.message(channel, data if isinstance(data, bytes) else data.encode())
-        elif kind == "subscribe":
+        elif kind in ("subscribe", "ssubscribe"):
             self.confirmed(channel)
+        elif kind == "sunsubscribe" and channel in self.channels:
+            return True
+        return False
 
 
 def _text(value: object) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def subscribe_commands(client: Any) -> tuple[str, str]:
+    """(SUBSCRIBE, UNSUBSCRIBE), or their sharded twins for a cluster-mode ``client`` (a plain
+    PUBLISH on a cluster is broadcast to every node; the scripts SPUBLISH on the slot's shard)."""
+    if is_slot_client(client):
+        return "SSUBSCRIBE", "SUNSUBSCRIBE"
+    return "SUBSCRIBE", "UNSUBSCRIBE"
 
 
 def pubsub_connection_factory(client: Any, **overrides: Any) -> Callable[[], Any]:

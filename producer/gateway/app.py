@@ -49,7 +49,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         redis_client = async_redis_client(settings)
-        keys = Keys(settings.key_prefix)
+        keys = Keys.for_settings(settings)
         store = ApiKeyStore(redis_client, settings) if gateway_settings.auth_required else None
         drain = DrainMeter(redis_client, keys)
         client = AsyncClient(redis_client, settings=settings)

@@ -74,7 +74,7 @@ class Gateway:
     ) -> None:
         self.client = client
         self.client_redis = client_redis
-        self.keys = Keys(client.settings.key_prefix)
+        self.keys = Keys.for_settings(client.settings)
         self.settings = settings
         self.key_store = key_store
         self.files = FileStore(client_redis, client.settings, max_bytes=settings.max_file_bytes)

@@ -68,8 +68,16 @@ class Subscriber:
     or has a SUBSCRIBE in flight.
     """
 
-    def __init__(self, connection_factory: Callable[[], Any], *, poll_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        connection_factory: Callable[[], Any],
+        *,
+        poll_s: float = 1.0,
+        commands: tuple[str, str] = ("SUBSCRIBE", "UNSUBSCRIBE"),
+    ) -> None:
+        """``commands``: (subscribe, unsubscribe), ``subscriptions.subscribe_commands``."""
         self._factory = connection_factory
+        self._commands = commands
         self._poll_s = poll_s
         # Reentrant: a handle garbage-collected while this thread holds the lock unsubscribes
         # from its finalizer, in the same thread.
@@ -101,7 +109,7 @@ class Subscriber:
                 )
                 self._thread.start()
             if self._table.add(channel, sub._box_id, sub.queue.put, sub.confirmation):
-                self._send("SUBSCRIBE", channel)
+                self._send(self._commands[0], channel)
         if confirm:
             sub.wait_confirmed(timeout)
         return sub
@@ -110,7 +118,7 @@ class Subscriber:
         """Remove one mailbox (called by ``Subscription.close``)."""
         with self._lock:
             if self._table.remove(channel, box_id):
-                self._send("UNSUBSCRIBE", channel)
+                self._send(self._commands[1], channel)
 
     def close(self) -> None:
         """Stop the reader thread and drop the connection."""
@@ -160,7 +168,7 @@ class Subscriber:
             self.connects += 1
             channels = self._table.reset_for_reconnect(resync=self.connects > 1)
             if channels:
-                self._send("SUBSCRIBE", *channels)
+                self._send(self._commands[0], *channels)
         return True
 
     def _run(self) -> None:
@@ -185,5 +193,6 @@ class Subscriber:
                     self._broken = True
                 continue
             with self._lock:
-                self._table.dispatch(reply)
+                if self._table.dispatch(reply):  # the cluster moved a channel's slot
+                    self._broken = True
         log.debug("tokenfleet subscriber stopped")

@@ -50,5 +50,6 @@ def withdraw_keys_args(
         str(ttl_s),
         CONSUMER_GROUP,
         event.message or "",
+        keys.publish_command,
     ]
     return key_list, args

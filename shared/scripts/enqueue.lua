@@ -16,7 +16,8 @@
 -- ARGV[19] = dropped message             ARGV[20] = expired message
 -- ARGV[21] = mode: "submit" (apply the queue's policy) or "try" (a full queue refuses,
 --            whatever its policy: no eviction, no waiting)
--- ARGV[22..] = quadruples: request id, encoded request, deadline (epoch seconds) or "",
+-- ARGV[22] = publish command for channels (PUBLISH, or SPUBLISH on a Redis Cluster)
+-- ARGV[23..] = quadruples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
 --              (a generated id: no other request can carry it, so nothing to compare)
 -- Returns {"ok", i1, code1, value1, i2, code2, value2, ...}: one triple per request that was
@@ -42,7 +43,7 @@
 -- scripts") says why and what a Redis Cluster deployment needs instead.
 -- @include tf_finish.lua
 
-if #KEYS ~= 6 + (#ARGV - 21) / 4 then
+if #KEYS ~= 6 + (#ARGV - 22) / 4 then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
 end
 local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
@@ -67,7 +68,7 @@ local function end_waiting(sid, rid, status, template, message)
   local victim_record, victim_tokens, victim_channel = victim_keys(rid)
   tf_finish(victim_record, victim_tokens, victim_channel, stream, KEYS[4], rid, status,
             event_for(template, rid), now, ttl, sid, group, '',
-            {'code', status, 'message', message, 'finish_reason', ''})
+            {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22])
 end
 
 local function field(entry, name)
@@ -121,7 +122,7 @@ end
 if unserved then  -- nothing is written: existing ids still answer as they would
   local refused = {'ok'}
   local k = 6
-  for j = 22, #ARGV, 4 do
+  for j = 23, #ARGV, 4 do
     k = k + 1
     local code, value = 'unserved', unserved
     if bad_id(ARGV[j]) then
@@ -189,7 +190,7 @@ local function answer(i, code, value)  -- a request that was not enqueued anew
   out[#out + 1] = value
 end
 local k = 6
-for j = 22, #ARGV, 4 do
+for j = 23, #ARGV, 4 do
   local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   k = k + 1
   local rec = KEYS[k]

@@ -122,6 +122,7 @@ def enqueue_keys_args(
         DROPPED_MESSAGE,
         EXPIRED_MESSAGE,
         "try" if try_only else "submit",
+        keys.publish_command,
     ]
     key_list = [
         keys.stream(model, priority),

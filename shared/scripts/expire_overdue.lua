@@ -4,6 +4,7 @@
 -- ARGV[1] = request id                   ARGV[2] = encoded terminal event
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
 -- ARGV[5] = consumer group name          ARGV[6] = message for the record
+-- ARGV[7] = publish command for the channel (PUBLISH, or SPUBLISH on a Redis Cluster)
 -- Returns {"ok"} (it was queued past its deadline: now expired), {"live", status} (queued
 -- within its deadline, or running), {"already", status} or {"unknown", message}.
 -- @include tf_finish.lua
@@ -22,4 +23,4 @@ if status ~= 'queued' or not deadline or deadline > tonumber(ARGV[3]) then
 end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'expired', ARGV[2],
                  ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
-                 {'code', 'expired', 'message', ARGV[6], 'finish_reason', ''})
+                 {'code', 'expired', 'message', ARGV[6], 'finish_reason', ''}, ARGV[7])

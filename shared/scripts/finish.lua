@@ -5,15 +5,16 @@
 -- ARGV[3] = encoded terminal event       ARGV[4] = now (epoch seconds)
 -- ARGV[5] = record TTL in seconds        ARGV[6] = stream entry id, or "" if none
 -- ARGV[7] = consumer group name          ARGV[8] = finishing worker's name, or "" (no guard)
--- ARGV[9..] = extra record fields as field, value pairs (text, finish_reason, usage, ...)
+-- ARGV[9] = publish command for the channel (PUBLISH, or SPUBLISH on a Redis Cluster)
+-- ARGV[10..] = extra record fields as field, value pairs (text, finish_reason, usage, ...)
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal, or
 -- {"lost", holder} (nothing changed) if ARGV[8] is set and the live record is not held by it,
 -- or is gone and the end is done (never a truncated success; an error end is written).
 -- @include tf_finish.lua
 
 local fields = {}
-for i = 9, #ARGV do
+for i = 10, #ARGV do
   fields[#fields + 1] = ARGV[i]
 end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
-                 ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], fields)
+                 ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], fields, ARGV[9])

@@ -66,6 +66,7 @@ def finish_keys_args(
         stream_id,
         CONSUMER_GROUP,
         owner,
+        keys.publish_command,
     ]
     for name, value in fields.items():
         args += [name, value]

@@ -4,14 +4,16 @@
 -- ARGV: none
 -- The terminal transition, shared by every script that ends a request (finish, cancel, expire,
 -- the enqueue script's drop-oldest eviction and reclaim), so there is exactly one definition of
--- "reach a terminal state". ``fields`` is a flat {name, value, ...} table of record fields.
+-- "reach a terminal state". ``fields`` is a flat {name, value, ...} table of record fields;
+-- ``publish`` is the command that publishes on ``chan`` (each caller's ARGV gives it: PUBLISH,
+-- or SPUBLISH on a Redis Cluster, where a plain PUBLISH is broadcast to every node).
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal (the
 -- stream entry is still acked and deleted), or {"lost", holder} (nothing changed) if ``owner`` is
 -- set and the live record is held by someone else, or is gone and the end is ``done`` (a record
 -- Redis lost is never recreated as a truncated success; an error end is still written, so the
 -- client sees why its request ended).
 local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event, now, ttl,
-                         sid, group, owner, fields)
+                         sid, group, owner, fields, publish)
   local h = redis.call('HMGET', rec, 'status', 'worker')
   local current, holder = h[1], h[2] or ''
   local live = current == 'queued' or current == 'running'
@@ -31,7 +33,11 @@ local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event
   for i = 1, #fields, 2 do
     redis.call('HSET', rec, fields[i], fields[i + 1])
   end
-  redis.call('PUBLISH', chan, event)
+  if publish == 'SPUBLISH' then  -- a Redis Cluster: sharded pub/sub, on the slot's shard only
+    redis.call('SPUBLISH', chan, event)
+  else
+    redis.call('PUBLISH', chan, event)
+  end
   redis.call('EXPIRE', rec, ttl)
   redis.call('EXPIRE', toks, ttl)
   return {'ok'}

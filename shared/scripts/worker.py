@@ -41,7 +41,7 @@ def append_tokens_keys_args(
     """KEYS and ARGV of ``APPEND_TOKENS`` for ``batch``: (request id, index of its first event,
     its encoded events) per request, in the order the replies come back."""
     k: list[KeyOrArg] = []
-    a: list[KeyOrArg] = [worker, repr(now), ttl_s]
+    a: list[KeyOrArg] = [worker, repr(now), ttl_s, keys.publish_command]
     for rid, first, events in batch:
         k += (keys.record(rid), keys.tokens(rid), keys.channel(rid))
         a += (first, len(events), *events)

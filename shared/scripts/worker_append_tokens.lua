@@ -2,7 +2,8 @@
 -- KEYS[3i]   = request i's channel       (i = 1 .. #KEYS / 3)
 -- ARGV[1] = worker name                  ARGV[2] = now (epoch seconds)
 -- ARGV[3] = record TTL in seconds
--- ARGV[4..] = for each request i, in KEYS order: the index of its first event, the number of
+-- ARGV[4] = publish command for the channels (PUBLISH, or SPUBLISH on a Redis Cluster)
+-- ARGV[5..] = for each request i, in KEYS order: the index of its first event, the number of
 --             its events c, then its c encoded token events in index order
 -- Returns {"ok", reply_1, ..., reply_n}, one reply per request: {"ok"} (also when the list
 -- already ends with exactly these events: an earlier try of the same round trip ran and its
@@ -16,7 +17,8 @@
 local known = {queued = true, running = true, done = true, cancelled = true, expired = true,
                dropped = true, error = true}
 local out = {'ok'}
-local a = 4
+local a = 5
+local sharded = ARGV[4] == 'SPUBLISH'  -- a Redis Cluster: sharded pub/sub
 for i = 1, #KEYS / 3 do
   local rec, list, ch = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local first, count = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
@@ -47,7 +49,11 @@ for i = 1, #KEYS / 3 do
     else
       for j = ev, a - 1 do
         redis.call('RPUSH', list, ARGV[j])
-        redis.call('PUBLISH', ch, ARGV[j])
+        if sharded then
+          redis.call('SPUBLISH', ch, ARGV[j])
+        else
+          redis.call('PUBLISH', ch, ARGV[j])
+        end
       end
       redis.call('HSET', rec, 'num_tokens', n + count)
       if first == 0 then

@@ -1,5 +1,7 @@
-"""Sentinel-mode fixtures: one private Sentinel setup per session (1 primary, 1 replica,
-3 sentinels on loopback ports; ``LocalSentinel``), torn down after. Helpers: ``ha_helpers``."""
+"""HA fixtures: one private Sentinel setup per session (1 primary, 1 replica, 3 sentinels on
+loopback ports; ``LocalSentinel``) and one private Redis Cluster (3 primaries + 3 replicas;
+``LocalCluster``), each started when a test first asks for it and torn down after. Helpers:
+``ha_helpers``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tokenfleet.worker.devtools.local_cluster import LocalCluster
 from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
 
 
@@ -14,3 +17,9 @@ from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
 def sentinel_setup() -> Iterator[LocalSentinel]:
     with LocalSentinel(service="tfha") as setup:
         yield setup
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(num_primaries=3) as cluster:
+        yield cluster

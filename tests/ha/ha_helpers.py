@@ -1,6 +1,7 @@
-"""Sentinel-mode helpers: settings and CLI flags for a ``LocalSentinel``, and real ``tokenfleet
-worker`` processes that reach it through the sentinels only (their ``--redis-url`` names a port
-where nothing listens: in sentinel mode only its db and credentials count)."""
+"""Sentinel- and cluster-mode helpers: settings and CLI flags for a ``LocalSentinel`` or a
+``LocalCluster``, and real ``tokenfleet worker`` processes that reach it in that mode (in sentinel
+mode their ``--redis-url`` names a port where nothing listens: only its db and credentials
+count; in cluster mode it names one node, the seed)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from typing import Any
 
 import redis
 
+from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_cluster import LocalCluster
 from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
 
 DEADLINE_S = 120.0  # failure guard only: every wait polls for a state
@@ -53,15 +56,40 @@ def sentinel_flags(setup: LocalSentinel) -> list[str]:
             setup.sentinels, "--sentinel-service", setup.service]  # fmt: skip
 
 
+def seed_url(cluster: LocalCluster, prefix: str) -> str:
+    """A URL of a node that does not own ``prefix``'s slot (proves the client finds the owner)."""
+    owner = cluster.owner_port(fleet_slot(Keys(prefix, cluster=True).root))
+    return next(f"redis://127.0.0.1:{p}/0" for p in cluster.ports if p != owner)
+
+
+def cluster_settings(cluster: LocalCluster, prefix: str) -> Settings:
+    """Cluster-mode settings for ``cluster`` under key prefix ``prefix`` (one slot)."""
+    return Settings(
+        redis_url=seed_url(cluster, prefix),
+        key_prefix=prefix,
+        redis_mode="cluster",
+        redis_socket_timeout_s=5,
+        redis_connect_timeout_s=2,
+    )
+
+
+def cluster_flags(cluster: LocalCluster, prefix: str) -> list[str]:
+    """The CLI flags that put a tokenfleet command in cluster mode against ``cluster``."""
+    return ["--redis-url", seed_url(cluster, prefix), "--redis-mode", "cluster"]
+
+
 class HAWorker:
-    """A real ``tokenfleet worker`` process in sentinel mode (flags, not environment)."""
+    """A real ``tokenfleet worker`` process in sentinel or cluster mode (flags, not
+    environment)."""
 
     def __init__(
-        self, model_dir: Path, setup: LocalSentinel, prefix: str, name: str, log_dir: Path,
-        *extra: str, env: dict[str, str] | None = None,
+        self, model_dir: Path, setup: LocalSentinel | LocalCluster, prefix: str, name: str,
+        log_dir: Path, *extra: str, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
         self.name = name
-        self.keys = Keys(prefix)
+        in_cluster = isinstance(setup, LocalCluster)
+        self.keys = Keys(prefix, cluster=in_cluster)
+        flags = cluster_flags(setup, prefix) if in_cluster else sentinel_flags(setup)  # type: ignore[arg-type]
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
         for var in ("REDIS_URL", "TOKENFLEET_MODEL", "TOKENFLEET_REDIS_MODE"):
@@ -69,7 +97,7 @@ class HAWorker:
         args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model",
                 str(model_dir), "--name", name, "--threads", "1", "--heartbeat-ttl-s", "2",
                 "--claim-idle-s", "0.5", "--claim-interval-s", "0.5",
-                *sentinel_flags(setup), *extra]  # fmt: skip
+                *flags, *extra]  # fmt: skip
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 

@@ -1,5 +1,6 @@
 """Connection modes: settings validation, the CLI flags, and the client factory (one place for
-every process). Sentinel-mode clients are checked against the session's real Sentinel setup."""
+every process). Sentinel-mode clients are checked against the session's real Sentinel setup,
+cluster-mode ones against the session's real Redis Cluster."""
 
 from __future__ import annotations
 
@@ -8,11 +9,19 @@ import asyncio
 
 import pytest
 
+from tokenfleet.shared.cluster_connection import (
+    AsyncSlotConnection,
+    SlotConnection,
+    SlotMoved,
+    SlotSSLConnection,
+    fleet_slot,
+)
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.redis_connect import async_redis_client, redis_client
 from tokenfleet.shared.redis_flags import add_redis_flags, redis_env, settings_from_flags
 from tokenfleet.shared.sentinel_connection import PrimaryConnection, PrimarySSLConnection
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_cluster import LocalCluster
 from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
 from tokenfleet.worker.pipelined import dedicated_connection
 
@@ -48,13 +57,61 @@ def test_bad_connection_settings_fail_with_a_clear_error(env: dict[str, str], me
         Settings.from_env(env)
 
 
-def test_cluster_mode_is_accepted_in_settings_but_refused_when_connecting() -> None:
-    s = Settings.from_env({"TOKENFLEET_REDIS_MODE": "cluster"})
-    assert s.redis_mode == "cluster"
-    with pytest.raises(SettingsError, match="cluster is not supported yet"):
-        redis_client(s)
-    with pytest.raises(SettingsError, match="cluster is not supported yet"):
-        async_redis_client(s)
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("unix:///tmp/r.sock", "not a unix socket"), ("redis://h:7000/2", "db 0 only")],
+)
+def test_cluster_mode_refuses_a_url_no_cluster_serves(url: str, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings(redis_url=url, redis_mode="cluster")
+
+
+def test_cluster_mode_clients_resolve_the_fleet_slot_from_the_url_s_node() -> None:
+    s = Settings(redis_url="rediss://app:pw@node-a:7001/0?ssl_cert_reqs=none", key_prefix="f",
+                 redis_mode="cluster")  # fmt: skip
+    client = redis_client(s)  # lazy: nothing connects yet
+    pool = client.connection_pool
+    assert pool.connection_class is SlotSSLConnection
+    owner = pool.connection_kwargs["slot_owner"]
+    assert owner.seeds == [("node-a", 7001)] and owner.slot == fleet_slot("{f}")
+    assert (pool.connection_kwargs["username"], pool.connection_kwargs["password"]) == ("app", "pw")
+    assert "db" not in owner.query_kwargs and owner.query_kwargs["password"] == "pw"
+    aclient = async_redis_client(Settings(redis_url="redis://n:1/0", redis_mode="cluster"))
+    assert aclient.connection_pool.connection_class is AsyncSlotConnection
+    plain = redis_client(Settings(redis_url="redis://n:1", redis_mode="cluster"))
+    assert plain.connection_pool.connection_class is SlotConnection
+
+
+def test_every_kind_of_connection_reaches_the_slot_s_primary(redis_cluster: LocalCluster) -> None:
+    slot = fleet_slot("{modes}")
+    owner = redis_cluster.owner_port(slot)
+    seed = next(p for p in redis_cluster.ports if p != owner)
+    s = Settings(redis_url=f"redis://127.0.0.1:{seed}/0", key_prefix="modes", redis_mode="cluster")
+    client = redis_client(s)
+    try:
+        assert client.set("{modes}:probe", 1) and client.get("{modes}:probe") == b"1"
+        conn = dedicated_connection(client)  # outside the pool: the worker's reader, publisher
+        try:
+            conn.send_command("PING")
+            assert conn.read_response() in (b"PONG", "PONG")
+            assert conn.port == owner
+            conn.send_command("SET", "elsewhere", 1)  # another slot: MOVED, a lost connection
+            with pytest.raises(SlotMoved):
+                conn.read_response()
+            assert conn._sock is None  # it closed itself: the next use reconnects
+        finally:
+            conn.disconnect()
+    finally:
+        client.close()
+
+    async def get_async() -> object:
+        aclient = async_redis_client(s)
+        try:
+            return await aclient.get("{modes}:probe")
+        finally:
+            await aclient.aclose()
+
+    assert asyncio.run(get_async()) == b"1"
 
 
 def test_the_cli_flags_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -49,6 +49,24 @@ def test_names_of_the_prefix_alone_are_set_once_per_prefix() -> None:
     assert Keys("other").served == "other:served" and Keys() == Keys("tokenfleet")
 
 
+def test_cluster_names_share_one_hash_slot_and_others_are_unchanged() -> None:
+    from tokenfleet.shared.cluster_connection import fleet_slot
+    from tokenfleet.shared.settings import Settings
+
+    plain = Keys.for_settings(Settings(key_prefix="fleet"))
+    tagged = Keys.for_settings(Settings(key_prefix="fleet", redis_mode="cluster"))
+    assert plain == Keys("fleet") and plain.record("r") == "fleet:req:r"
+    assert plain.publish_command == "PUBLISH" and tagged.publish_command == "SPUBLISH"
+    names = [tagged.record("r"), tagged.tokens("r"), tagged.channel("r"), tagged.cancel_set,
+             tagged.stream("m", Priority.BATCH), tagged.pool_members("p"), tagged.batch("b"),
+             tagged.api_key("k"), tagged.worker("w"), tagged.served]  # fmt: skip
+    assert all(n.startswith("{fleet}:") for n in names)
+    assert {fleet_slot(n) for n in names} == {fleet_slot("{fleet}")}
+    assert [n.replace("{fleet}", "fleet") for n in names[:3]] == [
+        plain.record("r"), plain.tokens("r"), plain.channel("r")
+    ]  # fmt: skip
+
+
 def test_two_prefixes_never_share_a_name() -> None:
     a, b = Keys("a"), Keys("b")
     assert a.record("x") != b.record("x")

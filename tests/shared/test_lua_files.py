@@ -150,6 +150,7 @@ _SINGLE_KEY = frozenset(
         *("HGET", "HMGET", "HSET", "HDEL", "HINCRBY", "HGETALL", "HEXISTS", "EXPIRE", "PEXPIRE"),
         *("PEXPIREAT",),
         *("DEL", "GET", "SET", "INCRBY", "LRANGE", "LLEN", "RPUSH", "LPUSH", "PUBLISH"),
+        *("SPUBLISH",),
         *("XACK", "XDEL", "XADD", "XLEN", "XRANGE", "XREVRANGE", "XPENDING", "XCLAIM"),
         *("SADD", "SREM", "SISMEMBER", "SMEMBERS", "ZADD", "ZREM", "ZRANGE", "ZSCORE"),
         *("ZRANGEBYSCORE", "HSETNX"),

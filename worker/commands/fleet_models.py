@@ -65,7 +65,7 @@ def _fleet(args: argparse.Namespace) -> int:
     try:
         with Client(client, settings=settings) as producer:
             models = producer.models()
-        counts = worker_counts(client, Keys(settings.key_prefix))
+        counts = worker_counts(client, Keys.for_settings(settings))
     finally:
         client.close()
     rows = [{**m.to_dict(), "workers": counts.get(m.name, 0)} for m in models]
@@ -100,7 +100,7 @@ def _edit(args: argparse.Namespace, add: bool) -> int:
     names = [check_model_name(n) for n in args.names]  # InvalidRequest names a bad one
     settings = settings_from_flags(args)
     client = redis_client(settings)
-    key = Keys(settings.key_prefix).declared
+    key = Keys.for_settings(settings).declared
     try:
         changed = client.sadd(key, *names) if add else client.srem(key, *names)
         declared = sorted(as_str(n) or "" for n in client.smembers(key))

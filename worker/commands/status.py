@@ -53,7 +53,7 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     from tokenfleet.shared.record import as_str
     from tokenfleet.worker.commands.stream_lag import queue_lags
 
-    keys = Keys(settings.key_prefix)
+    keys = Keys.for_settings(settings)
     now = time.time()
     names = [as_str(n) or "" for n in client.zrange(keys.workers, 0, -1)]
     pipe = client.pipeline(transaction=False)

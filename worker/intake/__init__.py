@@ -50,7 +50,7 @@ class Intake:
         starvation_pulls: int,
     ) -> None:
         self.client = client
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys.for_settings(settings)
         self.worker_name = worker_name
         self.streams = PriorityStreams(
             client,

@@ -36,7 +36,7 @@ class UnstartedOutcomes:
     ) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys.for_settings(settings)
         self.model_name = model_name
         self.worker_name = worker_name
 

@@ -50,7 +50,7 @@ class Starter:
     ) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys.for_settings(settings)
         self.streams = streams
         self.outcomes = outcomes
         self.worker_name = streams.worker_name

@@ -90,7 +90,7 @@ def _connect(args: argparse.Namespace) -> tuple[Any, Keys]:
     from tokenfleet.shared.redis_connect import redis_client
 
     settings = settings_from_flags(args)
-    return redis_client(settings), Keys(settings.key_prefix)
+    return redis_client(settings), Keys.for_settings(settings)
 
 
 def create_func(args: argparse.Namespace) -> int:

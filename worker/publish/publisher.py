@@ -174,7 +174,7 @@ class Publisher:
     ) -> None:
         self.client = client
         self.settings = settings
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys.for_settings(settings)
         self.model_name = model_name
         self.worker_name = worker_name
         self._conn: Any = None

@@ -42,7 +42,7 @@ class Heartbeat:
         ttl_s: float,
     ) -> None:
         self.client = client
-        self.keys = Keys(settings.key_prefix)
+        self.keys = Keys.for_settings(settings)
         self.worker_name = worker_name
         self.model_name = model_name
         self.ttl_ms = max(1, math.ceil(ttl_s * 1000))

@@ -165,7 +165,7 @@ class WorkerService:
             return None
         member = KVPoolMember(
             client=self.client,
-            keys=Keys(self.settings.key_prefix),
+            keys=Keys.for_settings(self.settings),
             pool=self.ws.kv_pool,
             member=self.ws.name,
             weight=self.ws.share_weight,

@@ -53,7 +53,7 @@ class ApiKeyAdmin:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._redis = client
-        self._keys = Keys(settings.key_prefix)
+        self._keys = Keys.for_settings(settings)
         self._clock = clock
 
     def create(

@@ -63,7 +63,7 @@ class ApiKeyStore:
         if cache_s < 0 or max_cached < 1:
             raise InvalidRequest("cache_s must be >= 0 and max_cached >= 1")
         self._redis = redis
-        self._keys = Keys(settings.key_prefix)
+        self._keys = Keys.for_settings(settings)
         self._cache_s = cache_s
         self._max_cached = max_cached
         self._monotonic = monotonic

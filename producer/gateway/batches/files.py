@@ -57,7 +57,7 @@ class FileStore:
         max_bytes: int = DEFAULT_MAX_FILE_BYTES,
     ) -> None:
         self._r = redis
-        self._keys = Keys(settings.key_prefix)
+        self._keys = Keys.for_settings(settings)
         self.max_bytes = max_bytes
 
     async def create(self, purpose: str, filename: str, data: bytes) -> FileObject:

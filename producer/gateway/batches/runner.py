@@ -64,7 +64,7 @@ class BatchRunner:
         self.cfg = DriveConfig(
             client=client,
             redis=redis,
-            keys=Keys(settings.key_prefix),
+            keys=Keys.for_settings(settings),
             token=os.urandom(12).hex(),
             lease_ms=lease_ms,
             window=window,

@@ -75,7 +75,7 @@ class BatchStore:
     ) -> None:
         self._r = redis
         self.lease_ms = lease_ms  # the validation lease (as the runners' batch lease)
-        self._keys = Keys(settings.key_prefix)
+        self._keys = Keys.for_settings(settings)
         self._files = FileStore(redis, settings)
         self.max_line_bytes = max_line_bytes
         self.max_lines = max_lines

@@ -1,0 +1,249 @@
+"""The full path in cluster mode on a real 3-primary Redis Cluster: producer and two real workers
+reach the primary owning the fleet's one slot (every name starts with ``{hacl}``) from a seed
+URL naming another node. Submit -> worker -> stream (sharded pub/sub), cancel, both overflow
+policies, the KV pool, KEDA's lag figure, the gateway (`tokenfleet serve` with the cluster flags,
+driven by the openai SDK: the asyncio client), and crash recovery (SIGKILL of the worker holding
+a request; the other resumes it gap-free). The tests run in file order on one module fleet; the
+crash test, which kills a worker, comes last."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from ha_helpers import DEADLINE_S, HAWorker, cluster_flags, cluster_settings, wait_for
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.cluster_connection import fleet_slot
+from tokenfleet.shared.errors import Overloaded
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.redis_connect import redis_client
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.cli import main
+from tokenfleet.worker.devtools.local_cluster import LocalCluster
+from tokenfleet.worker.pool.admin import create_pool, pool_snapshot
+from tokenfleet.worker.pool.config import PoolConfig
+
+pytestmark = pytest.mark.slow
+PREFIX = "hacl"
+SERVED = "critical,normal"  # batch is left unserved: its requests stay queued
+
+
+class Fleet:
+    def __init__(self, setup: LocalCluster, workers: list[HAWorker]) -> None:
+        self.setup = setup
+        self.workers = workers
+        self.settings: Settings = cluster_settings(setup, PREFIX)
+        self.r = redis_client(self.settings)  # to the slot's primary, like every process
+        self.keys = Keys.for_settings(self.settings)
+        self.slot = fleet_slot(self.keys.root)
+
+    def record(self, rid: str) -> RequestRecord | None:
+        return RequestRecord.from_hash(rid, self.r.hgetall(self.keys.record(rid)))
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    settings = cluster_settings(redis_cluster, PREFIX)
+    with redis_client(settings) as r:
+        config = PoolConfig(
+            total_blocks=64, block_size=4, cap_permille=1000, chunk_blocks=8, lease_ms=5000
+        )
+        create_pool(r, Keys.for_settings(settings), "p", config)
+    log_dir = tmp_path_factory.mktemp("ha-workers")
+    extra = ("--priorities", SERVED, "--kv-pool", "p", "--block-size", "4", "--kv-blocks", "64")
+    workers = [
+        HAWorker(tiny_llama_dir, redis_cluster, PREFIX, f"cl-{n}", log_dir, *extra)
+        for n in ("a", "b")
+    ]
+    fleet = Fleet(redis_cluster, workers)
+    try:
+        for w in workers:
+            wait_for(lambda: w.ready(fleet.r), f"{w.name}'s heartbeat")  # noqa: B023
+        yield fleet
+    finally:
+        for w in workers:
+            w.close()
+        fleet.r.close()
+
+
+def indices(events: list[Any]) -> list[int]:
+    return [e.index for e in events if isinstance(e, TokenEvent)]
+
+
+def terminal(events: list[Any]) -> str:
+    last = events[-1]
+    assert isinstance(last, TerminalEvent), last
+    return str(last.status.value)
+
+
+def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
+    owner = fleet.setup.owner_port(fleet.slot)
+    assert f":{owner}/" not in fleet.settings.redis_url  # the seed is another node
+    with Client.from_url(settings=fleet.settings) as client:
+        handle = client.submit("Hello cluster", max_tokens=12, ignore_eos=True)
+        events = list(handle.stream(timeout=DEADLINE_S))
+        assert indices(events) == list(range(12))
+        assert terminal(events) == "done" and len(events) == 13
+        rec = client.status(handle.request_id)
+        assert rec.status == "done" and rec.num_tokens == 12
+    # every name of the fleet is in its one slot, on the primary that owns it
+    record = fleet.keys.record(handle.request_id)
+    assert record.startswith("{hacl}:") and fleet_slot(record) == fleet.slot
+    with redis.Redis(port=owner) as direct:
+        assert direct.info("replication")["role"] == "master"
+        assert direct.exists(record, fleet.keys.tokens(handle.request_id)) == 2
+        ours = [k.decode() for k in direct.scan_iter(match="{hacl}:*", count=1000)]
+        assert ours and {fleet_slot(k) for k in ours} == {fleet.slot}
+    others = [p for p in fleet.setup.primaries() if p != owner]
+    for port in others:
+        with redis.Redis(port=port) as other:
+            assert not list(other.scan_iter(match="{hacl}:*")), f"a fleet key landed on {port}"
+    print(f"slot {fleet.slot} on {owner}: {len(ours)} keys; the {len(others)} other primaries none")
+
+
+def test_cancel_on_the_cluster(fleet: Fleet) -> None:
+    with Client.from_url(settings=fleet.settings) as client:
+        handle = client.submit("Cancel me", max_tokens=2000, ignore_eos=True)
+        stream = handle.stream(timeout=DEADLINE_S)
+        first = next(stream)
+        assert isinstance(first, TokenEvent)
+        assert handle.cancel()
+        rest = list(stream)
+        assert terminal(rest) == "cancelled"
+        assert indices([first, *rest]) == list(range(len(indices([first, *rest]))))
+        assert client.status(handle.request_id).status == "cancelled"
+
+
+def test_overflow_policies_on_an_unserved_queue(fleet: Fleet) -> None:
+    with Client.from_url(settings=fleet.settings) as client:
+        client.set_queue_config("batch", max_waiting=2, policy="drop_newest")
+        kept = [client.submit("q", priority="batch", max_tokens=4) for _ in range(2)]
+        with pytest.raises(Overloaded):
+            client.submit("refused", priority="batch", max_tokens=4)
+        client.set_queue_config("batch", policy="drop_oldest")
+        newest = client.submit("newest", priority="batch", max_tokens=4)
+        assert client.status(kept[0].request_id).status == "dropped"
+        assert client.status(newest.request_id).status == "queued"
+        for h in (kept[1], newest):  # leave the queue empty for the next test
+            assert h.cancel()
+        wait_for(
+            lambda: (
+                all(client.status(h.request_id).status == "cancelled" for h in (kept[1], newest))
+                or None
+            ),
+            "the queued requests to be cancelled",
+        )
+
+
+def test_status_json_reports_the_lag_keda_reads(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with Client.from_url(settings=fleet.settings) as client:
+        client.set_queue_config("batch", max_waiting=100, policy="drop_newest")
+        rids = [client.submit("lag", priority="batch", max_tokens=4).request_id for _ in range(5)]
+        monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", PREFIX)
+        assert main(["status", "--json", *cluster_flags(fleet.setup, PREFIX)]) == 0
+        snap = orjson.loads(capsys.readouterr().out)
+        batch = next(q for q in snap["queues"] if q["priority"] == "batch")
+        stream = fleet.keys.stream("default", Priority.BATCH)
+        group = next(
+            g for g in fleet.r.xinfo_groups(stream) if g["name"] in (b"workers", "workers")
+        )
+        print(f"batch queue: waiting={batch['waiting']} lag={batch['lag']} "
+              f"pending={batch['pending']} XINFO lag={group['lag']}")  # fmt: skip
+        assert (batch["stream"], batch["consumer_group"]) == (stream, "workers")
+        assert batch["lag"] == group["lag"] == batch["waiting"] == len(rids)
+        assert batch["pending"] == 0
+        for rid in rids:
+            client.cancel(rid)
+
+
+def test_kv_pool_members_on_the_cluster(fleet: Fleet) -> None:
+    with Client.from_url(settings=fleet.settings) as client:
+        handles = [client.submit(f"pool {i}", max_tokens=8, ignore_eos=True) for i in range(4)]
+        for h in handles:
+            assert len(h.result(timeout=DEADLINE_S).token_ids) == 8
+    snap = pool_snapshot(fleet.r, fleet.keys, "p")
+    members = {m["name"] for m in snap["members"]}
+    assert members == {w.name for w in fleet.workers}
+    assert sum(m["held"] for m in snap["members"]) == snap["held"] <= snap["total"]
+
+
+def test_the_gateway_serves_on_the_cluster(fleet: Fleet, tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": PREFIX}
+    env.pop("REDIS_URL", None)
+    args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
+            "--log-level", "warning", *cluster_flags(fleet.setup, PREFIX)]  # fmt: skip
+    with open(tmp_path / "gateway.log", "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError((tmp_path / "gateway.log").read_text())
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, "the gateway's /health")
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        whole = sdk.completions.create(model="default", prompt="Cluster", max_tokens=6, seed=1)
+        parts = [
+            c.choices[0].text
+            for c in sdk.completions.create(
+                model="default", prompt="Cluster", max_tokens=6, seed=1, stream=True
+            )
+            if c.choices
+        ]
+        assert whole.choices[0].finish_reason == "length"
+        assert "".join(parts) == whole.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_a_killed_worker_s_request_resumes_on_the_other_gap_free(fleet: Fleet) -> None:
+    with Client.from_url(settings=fleet.settings) as client:
+        handle = client.submit("Crash recovery", max_tokens=150, ignore_eos=True)
+        rid = handle.request_id
+
+        def holder() -> HAWorker | None:
+            rec = fleet.record(rid)
+            if rec is None or rec.status != "running" or rec.num_tokens < 5:
+                return None
+            return next((w for w in fleet.workers if w.name == rec.worker), None)
+
+        victim = wait_for(holder, "the request to run and stream a few tokens")
+        victim.kill()
+        survivor = next(w for w in fleet.workers if w is not victim)
+        events = list(handle.stream(timeout=DEADLINE_S))
+        assert indices(events) == list(range(150)), "gap-free, duplicate-free"
+        assert terminal(events) == "done"
+        rec = fleet.record(rid)
+        assert rec is not None and rec.status == "done" and rec.attempts == 2
+        assert f"resumed {rid} at index" in survivor.output()
+        print(f"crash recovery: {victim.name} killed, {survivor.name} resumed, 150 tokens once")
