@@ -37,9 +37,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from tokenfleet.shared.errors import PoolError
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.worker.engine.outputs import StepStats
 from tokenfleet.worker.pipelined import ScriptPipeline
@@ -344,3 +345,15 @@ class PoolLink:
             ),
             **self.counters,
         }
+
+
+def pool_link(engine: Any, client: Any, keys: Keys, ws: Any) -> PoolLink | None:
+    """The engine's link to the shared KV pool of ``ws.kv_pool`` (``--kv-pool``), as member
+    ``ws.name`` with weight ``ws.share_weight``; None without a pool. ``engine`` must be a
+    ``PoolEngine`` (the real engine is)."""
+    if not ws.kv_pool:
+        return None
+    member = KVPoolMember(
+        client=client, keys=keys, pool=ws.kv_pool, member=ws.name, weight=ws.share_weight
+    )
+    return PoolLink(cast(PoolEngine, engine).pool_port(), member)

@@ -46,7 +46,7 @@ import logging
 import random
 import signal
 import time
-from typing import Any, cast
+from typing import Any
 
 import redis
 
@@ -58,8 +58,7 @@ from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.intake.claimer import Claimer
 from tokenfleet.worker.intake.doorbell import wire_doorbell
 from tokenfleet.worker.intake.reader import IntakeReader
-from tokenfleet.worker.pool.link import PoolEngine, PoolLink
-from tokenfleet.worker.pool.member import KVPoolMember
+from tokenfleet.worker.pool.link import pool_link
 from tokenfleet.worker.publish.publisher import Publisher
 from tokenfleet.worker.service.adapter import EngineAdapter, MakeParams, engine_sampling_params
 from tokenfleet.worker.service.engine_port import EnginePort
@@ -117,7 +116,7 @@ class WorkerService:
             make_params or engine_sampling_params,
             avg_prompt_tokens=float(wsettings.block_size),
         )
-        self.pool = self._pool_link()  # the engine's link to a shared KV pool, if any
+        self.pool = pool_link(engine, self.client, Keys.for_settings(settings), wsettings)
         publisher = Publisher(
             self.client, settings, model_name=wsettings.model_name, worker_name=name
         )
@@ -158,19 +157,6 @@ class WorkerService:
         self.exit_code = 0
         self._kv_total = 0
         self._tokens_total = 0
-
-    def _pool_link(self) -> PoolLink | None:
-        """The engine's link to the KV pool of ``--kv-pool``; None without one."""
-        if not self.ws.kv_pool:
-            return None
-        member = KVPoolMember(
-            client=self.client,
-            keys=Keys.for_settings(self.settings),
-            pool=self.ws.kv_pool,
-            member=self.ws.name,
-            weight=self.ws.share_weight,
-        )
-        return PoolLink(cast(PoolEngine, self.engine).pool_port(), member)
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
