@@ -116,6 +116,7 @@ def test_redis_timeouts_are_settings() -> None:
         "socket_timeout": 10,
         "socket_connect_timeout": 5,
         "health_check_interval": 30,
+        "max_connections": 2000,
     }
     env = {"TOKENFLEET_REDIS_SOCKET_TIMEOUT_S": "3", "TOKENFLEET_REDIS_RETRY_S": "0"}
     s = Settings.from_env(env)
