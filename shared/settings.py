@@ -41,6 +41,11 @@ class Settings:
         redis_retry_s: how long a process rides out an outage (Redis restarting, stalled or
             unreachable) before it gives up: a handle raises ``RedisUnavailable``, a worker exits
             with status 5; 0 keeps trying forever.
+        routing: ``prefix`` (the default): a producer routes a request to the live worker
+            holding its longest cached prefix, or its session's worker (README "Routing");
+            ``off``: every request goes to its queue's shared stream. A worker with ``off``
+            publishes nothing and is never a routing target (it still steals).
+        session_ttl_s: how long a session stays pinned to its worker after its last request.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -52,8 +57,12 @@ class Settings:
     redis_connect_timeout_s: int = 5
     redis_health_check_s: int = 30
     redis_retry_s: int = 300
+    routing: str = "prefix"
+    session_ttl_s: int = 600
 
     def __post_init__(self) -> None:
+        if self.routing not in ("prefix", "off"):
+            raise SettingsError(f"routing must be 'prefix' or 'off', got {self.routing!r}")
         validate_redis_url(self.redis_url)
         if not _PREFIX_RE.match(self.key_prefix):
             raise SettingsError(
@@ -67,6 +76,7 @@ class Settings:
             "redis_socket_timeout_s",
             "redis_connect_timeout_s",
             "redis_health_check_s",
+            "session_ttl_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -144,6 +154,9 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "num_workers",
         "reserved_slots",
         "batch_yields",
+        "steal_after_s",
+        "overflow_for",
+        "overflow_after_s",
     }
 )
 # The gateway's settings (``TOKENFLEET_GATEWAY_*``, producer/gateway/settings.py).
@@ -151,7 +164,7 @@ _ENV_PREFIXES_OWNED_ELSEWHERE = ("gateway_",)
 
 
 def _parse(name: str, raw: str, var: str) -> Any:
-    if name in ("redis_url", "key_prefix"):
+    if name in ("redis_url", "key_prefix", "routing"):
         return raw
     try:
         return int(raw)

@@ -152,7 +152,7 @@ _SINGLE_KEY = frozenset(
         *("DEL", "GET", "SET", "INCRBY", "LRANGE", "LLEN", "RPUSH", "LPUSH", "PUBLISH"),
         *("XACK", "XDEL", "XADD", "XLEN", "XRANGE", "XREVRANGE", "XPENDING", "XCLAIM"),
         *("SADD", "SREM", "SISMEMBER", "SMEMBERS", "ZADD", "ZREM", "ZRANGE", "ZSCORE"),
-        *("ZRANGEBYSCORE", "HSETNX"),
+        *("ZRANGEBYSCORE", "HSETNX", "SMISMEMBER"),
     }
 )
 

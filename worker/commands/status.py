@@ -6,6 +6,8 @@ on a line of its own ("waiting on model X: N requests, no live worker").
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
+Routing (README "Routing"): each model gets a line with its workers and its waiting requests,
+shared and routed (``routed_status``); ``--json`` has the routed streams under ``routed``.
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted.
 
 Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
@@ -87,11 +89,14 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     finally:
         producer.close()
     dead = client.xlen(keys.dead_letter)
+    from tokenfleet.worker.commands.routed_status import routed_rows
+
     return {
         "prefix": settings.key_prefix,
         "workers": workers,
         "lapsed_workers": lapsed,
         "queues": queues,
+        "routed": routed_rows(client, keys, queues),
         "models": models,
         "waiting_on_models": waiting_on_models(queues, models),
         "dead_letters": dead,
@@ -164,6 +169,9 @@ def render(snap: dict[str, Any]) -> str:
                 f"  {q['model'][:16]:<16} {q['priority']:<9} {q['waiting']:>8} "
                 f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
             )
+    from tokenfleet.worker.commands.routed_status import model_lines
+
+    lines.extend(model_lines(snap))
     if snap["pools"]:
         from tokenfleet.worker.pool.commands import format_pool
 
