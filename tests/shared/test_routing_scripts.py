@@ -136,3 +136,13 @@ def test_steal_takes_only_aged_undelivered_entries(r: redis.Redis, keys: Keys) -
         (f"{now_ms - 4000}-0", "wb"),
     }
     assert registry.call(r, STEAL, [routed], [CONSUMER_GROUP, "wb", 10, 1000, -1, "n"]) == ["ok"]
+
+
+def test_routing_is_prefix_or_off() -> None:
+    from tokenfleet.shared.errors import SettingsError
+    from tokenfleet.shared.settings import Settings
+
+    assert Settings().routing == "prefix"
+    assert Settings.from_env({"TOKENFLEET_ROUTING": "off"}).routing == "off"
+    with pytest.raises(SettingsError, match="routing"):
+        Settings(routing="random")
