@@ -1,10 +1,11 @@
 """Routing (issue 19): a multi-turn chat trace on 2 workers, routed against routing off.
 
 The trace: ``--conversations`` chats, each with its own long system prompt (``--system-chars``
-characters of seeded words), ``--turns`` turns each; a conversation sends its next turn (its
-history, the assistant's answer, a new user message) as soon as the previous one has ended, all
-conversations at once. Each worker's KV cache (``--kv-blocks``) holds about half of the
-conversations' prefixes, so where a turn lands decides whether its history is a prefix-cache hit.
+characters of seeded words), ``--turns`` turns each; conversation ``c`` starts at ``c *
+--gap-s`` and sends its next turn (its history, the assistant's answer, a new user message)
+``--think-s`` after the previous one has ended (a user reading and typing). Each worker's KV
+cache (``--kv-blocks``) holds about half of the conversations' prefixes, so where a turn lands
+decides whether its history is a prefix-cache hit.
 
 Two sides, each on a fresh fleet of 2 workers (1 torch thread each) behind one private
 redis-server, alternating which goes first for ``--rounds`` rounds:
@@ -15,7 +16,8 @@ redis-server, alternating which goes first for ``--rounds`` rounds:
   plain load balancing, the issue's "round-robin").
 
 TTFT = first token event seen by this process - just before ``submit``; throughput = output
-tokens / (last terminal event - start); submit = the ``submit()`` call's wall time. Run::
+tokens / (last terminal event - start; think times included, the same on both sides); submit =
+the ``submit()`` call's wall time. Run::
 
     .venv/bin/python benchmarks/bench_routing.py --model smollm2
 """
@@ -130,6 +132,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
             str(args.max_num_seqs),
             "--kv-blocks",
             str(args.kv_blocks),
+            "--steal-after-s",
+            str(args.steal_after_s),
             "--log-level",
             "WARNING",
         ],
@@ -168,10 +172,15 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                 h.close()
 
             start = time.time()
-            for c in range(args.conversations):
-                send(c)
-            while current:
+            due = {c: start + c * args.gap_s for c in range(args.conversations)}
+            while current or due:
                 progressed = False
+                now = time.time()
+                for c, t in list(due.items()):
+                    if t <= now:
+                        del due[c]
+                        send(c)
+                        progressed = True
                 for c, rid in list(current.items()):
                     with listener.lock:
                         ended = rid in listener.done
@@ -186,7 +195,7 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                     del current[c]
                     turn[c] += 1
                     if turn[c] < args.turns:
-                        send(c)
+                        due[c] = time.time() + args.think_s
                 if not progressed:
                     time.sleep(0.002)
             with listener.lock:
@@ -206,12 +215,15 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="bundled name, .gguf or folder")
-    p.add_argument("--conversations", type=int, default=12)
+    p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-chars", type=int, default=2400)
+    p.add_argument("--system-chars", type=int, default=2000)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--kv-blocks", type=int, default=256, help="per worker (16 tokens each)")
+    p.add_argument("--kv-blocks", type=int, default=224, help="per worker (16 tokens each)")
+    p.add_argument("--think-s", type=float, default=1.0, help="between a turn's end and the next")
+    p.add_argument("--gap-s", type=float, default=0.5, help="between conversations' starts")
+    p.add_argument("--steal-after-s", type=float, default=0.5, help="the workers' steal bound")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None)
