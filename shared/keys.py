@@ -18,6 +18,15 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:worker:NAME      hash: a worker's heartbeat (expires with its TTL)
     P:workers          sorted set: worker name -> last heartbeat (seconds)
     P:dead             stream: dead-letter entries (undecodable or invalid requests)
+    P:rq:M:L:NAME      stream: the requests of queue (M, L) routed to worker NAME (same
+                       consumer group as P:q:M:L; any worker may steal entries that waited)
+    P:routers:M        sorted set: worker -> expiry (seconds) of the heartbeat of each worker
+                       that takes routed work for model M (live while in the future)
+    P:rload:M          hash: worker -> "RUNNING MAX_NUM_SEQS", the load of M's routed workers
+                       (written with each heartbeat; what the enqueue script weighs)
+    P:pfx:NAME         set: the prefix-chain hashes worker NAME holds in its cache (expires
+                       with its heartbeat)
+    P:session:H        string: the worker a session is pinned to (H = hash of "MODEL|KEY"; TTL)
     P:served           sorted set: model -> expiry (seconds) of its longest-lived live server
     P:models           set of the model names the fleet's configuration declares
     P:pool:NAME        hash: a shared KV pool's settings and counters
@@ -255,6 +264,34 @@ class _WorkerKeys(_Root):
         return f"{self.root}:models"
 
 
+class _RouteKeys(_Root):
+    """Routing (README "Routing"): per-worker routed streams, who takes routed work, what each
+    worker's cache holds, sessions pinned to workers."""
+
+    __slots__ = ()
+
+    def routed(self, model: str, priority: Priority, worker: str) -> str:
+        """Stream: the requests of queue (``model``, ``priority``) routed to ``worker``."""
+        return f"{self.root}:rq:{model}:{priority.label}:{worker}"
+
+    def routers(self, model: str) -> str:
+        """Sorted set: worker -> heartbeat expiry (epoch s) of the workers taking routed work
+        for ``model``; a worker is a routing target while its score is in the future."""
+        return f"{self.root}:routers:{model}"
+
+    def route_load(self, model: str) -> str:
+        """Hash: worker -> "RUNNING MAX_NUM_SEQS" for ``model``'s routed workers (heartbeat)."""
+        return f"{self.root}:rload:{model}"
+
+    def prefixes(self, worker: str) -> str:
+        """Set: prefix-chain link hashes (hex) ``worker`` holds in its cache."""
+        return f"{self.root}:pfx:{worker}"
+
+    def session(self, session_hash: str) -> str:
+        """String: the worker the session (``session_hash``: a hash of its key) is pinned to."""
+        return f"{self.root}:session:{session_hash}"
+
+
 class _PoolKeys(_Root):
     """Shared KV pools."""
 
@@ -279,7 +316,7 @@ class _PoolKeys(_Root):
 
 
 @dataclass(frozen=True, slots=True)
-class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _PoolKeys, _GatewayKeys, _BatchKeys):
+class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _GatewayKeys, _BatchKeys):
     """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
     in groups, one base class per room of the layout above.
 

@@ -15,6 +15,10 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
     fingerprint     hash of the request body without its times (set by the enqueue script
                     when the client chose the id, else absent; a resubmit under the same id must
                     match it, see ``request_fingerprint``)
+    route           how routing placed it: "prefix:N" (N leading chain links matched),
+                    "session", "stolen_by:W" / "overflow:W" (taken by W after waiting);
+                    absent: "shared" (README "Routing")
+    routed_to       the worker of its routed stream, or the one that took it; absent: none
     waiting_on      the model, when the request was accepted while no live worker served it
                     (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)
@@ -95,6 +99,8 @@ class RequestRecord:
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     waiting_on: str = ""  # the model it waits on: accepted while no live worker served it
+    route: str = "shared"  # why it went where: prefix:N | session | shared | stolen_by:W | ...
+    routed_to: str = ""  # the worker whose routed stream it went to (or that stole it)
 
     @classmethod
     def from_hash(
@@ -128,6 +134,8 @@ class RequestRecord:
             usage=_json(h.get("usage")),
             timings=_json(h.get("timings")),
             waiting_on=h.get("waiting_on") or "",
+            route=h.get("route") or "shared",
+            routed_to=h.get("routed_to") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,4 +160,6 @@ class RequestRecord:
             "usage": self.usage,
             "timings": self.timings,
             "waiting_on": self.waiting_on,
+            "route": self.route,
+            "routed_to": self.routed_to,
         }

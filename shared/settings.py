@@ -59,6 +59,11 @@ class Settings:
             counts as a lost connection and is sent again after reconnecting
             (``shared.replica_wait``; README, "Redis modes": what a failover may lose).
         redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
+        routing: ``prefix`` (the default): a producer routes a request to the live worker
+            holding its longest cached prefix, or its session's worker (README "Routing");
+            ``off``: every request goes to its queue's shared stream. A worker with ``off``
+            publishes nothing and is never a routing target (it still steals).
+        session_ttl_s: how long a session stays pinned to its worker after its last request.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -78,8 +83,12 @@ class Settings:
     sentinel_password: str = ""
     redis_wait_replicas: int = 0
     redis_wait_ms: int = 500
+    routing: str = "prefix"
+    session_ttl_s: int = 600
 
     def __post_init__(self) -> None:
+        if self.routing not in ("prefix", "off"):
+            raise SettingsError(f"routing must be 'prefix' or 'off', got {self.routing!r}")
         validate_redis_url(self.redis_url)
         validate_mode(self)
         if not _PREFIX_RE.match(self.key_prefix):
@@ -96,6 +105,7 @@ class Settings:
             "redis_health_check_s",
             "redis_wait_ms",
             "redis_max_connections",
+            "session_ttl_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -198,6 +208,9 @@ _ENV_OWNED_ELSEWHERE = frozenset(
         "num_workers",
         "urgent_slots",
         "batch_yields",
+        "steal_after_s",
+        "overflow_for",
+        "overflow_after_s",
     }
 )
 # The gateway's settings (``TOKENFLEET_GATEWAY_*``, producer/gateway/settings.py).
@@ -213,6 +226,7 @@ _STRING_SETTINGS = frozenset(
         "sentinel_service",
         "sentinel_username",
         "sentinel_password",
+        "routing",
     }
 )
 REDIS_MODES = ("standalone", "sentinel", "cluster")

@@ -41,6 +41,9 @@ ENV_VARS: dict[str, str] = {
     "TOKENFLEET_SHARE_WEIGHT": "share_weight",
     "TOKENFLEET_URGENT_SLOTS": "urgent_slots",
     "TOKENFLEET_BATCH_YIELDS": "batch_yields",
+    "TOKENFLEET_STEAL_AFTER_S": "steal_after_s",
+    "TOKENFLEET_OVERFLOW_FOR": "overflow_for",
+    "TOKENFLEET_OVERFLOW_AFTER_S": "overflow_after_s",
 }
 
 _INT_FIELDS = frozenset(
@@ -65,6 +68,8 @@ _FLOAT_FIELDS = frozenset(
         "claim_interval_s",
         "claim_idle_s",
         "share_weight",
+        "steal_after_s",
+        "overflow_after_s",
     }
 )
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
@@ -136,6 +141,12 @@ class WorkerSettings:
         batch_yields: ``batch`` work sits out engine steps that prefill more urgent work, and
             more urgent work arriving in Redis cuts a batch-only step short (docs in README,
             "Batch work yields"); False runs batch steps through like any other.
+        steal_after_s: routed work waiting this long in another worker's routed stream may be
+            stolen by this worker when it has room (README "Routing").
+        overflow_for: this worker is an overflow worker for that model (its ``model_name``):
+            it takes only that model's work that has waited ``overflow_after_s`` or more, from
+            the shared and routed streams alike, and is never a routing target.
+        overflow_after_s: the overflow threshold (seconds).
     """
 
     model: str
@@ -164,8 +175,15 @@ class WorkerSettings:
     share_weight: float = 1.0
     urgent_slots: int | None = None
     batch_yields: bool = True
+    steal_after_s: float = 0.5
+    overflow_for: str | None = None
+    overflow_after_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.overflow_for is not None:
+            self.model_name = self.overflow_for
+        if self.steal_after_s < 0 or self.overflow_after_s < 0:
+            raise SettingsError("steal_after_s and overflow_after_s must be >= 0")
         if not self.model:
             raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
         try:

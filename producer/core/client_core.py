@@ -39,11 +39,21 @@ from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
-from tokenfleet.shared.scripts.enqueue import ENQUEUE, EXPIRED_MESSAGE, enqueue_keys_args
+from tokenfleet.shared.scripts.enqueue import (
+    ENQUEUE,
+    EXPIRED_MESSAGE,
+    RouteTargets,
+    enqueue_keys_args,
+)
 from tokenfleet.shared.scripts.queue_stats import QUEUE_STATS
 from tokenfleet.shared.settings import Settings
 
 CANCELLED_MESSAGE = "cancelled by the client before it started"
+# Routing: the candidates of a model (Keys.routers) are read at most this often per client, and
+# only workers whose heartbeat was alive in the last ROUTERS_RECENT_S count (their routed
+# streams' waiting entries count in the bound; the script routes only to live ones).
+ROUTERS_TTL_S = 1.0
+ROUTERS_RECENT_S = 60.0
 
 H = TypeVar("H")  # the handle class a face hands out
 
@@ -77,6 +87,7 @@ class ClientCore(ABC, Generic[H]):
         self.subscribe_timeout_s = subscribe_timeout_s
         self._subscriber = subscriber
         self._owns_redis = False
+        self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
@@ -115,7 +126,8 @@ class ClientCore(ABC, Generic[H]):
         until = None if timeout is None else time.monotonic() + timeout
         delay, growth, ceiling = ops.BLOCK_POLL
         while True:
-            code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only)))
+            route = yield from self._route_targets(prepared.model)
+            code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only, route)))
             if code in ("new", "exists"):
                 # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
                 # handle's first read waits for the confirmation and then reads the record and
@@ -133,11 +145,28 @@ class ClientCore(ABC, Generic[H]):
             yield Sleep(delay)
             delay = min(delay * growth, ceiling)
 
+    def _route_targets(self, model: str) -> Plan[RouteTargets | None]:
+        """The routing candidates for ``model`` (cached ``ROUTERS_TTL_S``); None: routing off."""
+        if self.settings.routing == "off":
+            return None
+        now = time.monotonic()
+        cached = self._routers.get(model)
+        if cached is None or now - cached[0] >= ROUTERS_TTL_S:
+            since = time.time() - ROUTERS_RECENT_S
+            names = yield Command(
+                SortedSetCommands.zrangebyscore, (self._keys.routers(model), since, "+inf")
+            )
+            cached = (now, tuple(sorted(n.decode() if isinstance(n, bytes) else n for n in names)))
+            self._routers[model] = cached
+        return RouteTargets(cached[1], self.settings.session_ttl_s)
+
     def _try_submit(self, prompt: Any, params: dict[str, Any]) -> Plan[H]:
         params.pop("timeout", None)
         return self._submit(prompt, params, timeout=0.0, try_only=True)
 
-    def _enqueue(self, prepared: Prepared, try_only: bool) -> RunScript:
+    def _enqueue(
+        self, prepared: Prepared, try_only: bool, route: RouteTargets | None = None
+    ) -> RunScript:
         k, a = enqueue_keys_args(
             self._keys,
             prepared.model,
@@ -146,6 +175,7 @@ class ClientCore(ABC, Generic[H]):
             now=time.time(),
             ttl_s=self.settings.record_ttl_s,
             try_only=try_only,
+            route=route,
         )
         return RunScript(ENQUEUE, k, a)
 
@@ -155,6 +185,10 @@ class ClientCore(ABC, Generic[H]):
         now = time.time()
         prepared = prepare_many(self.settings, requests, now=now)
         batches = ops.plan_batches(prepared)
+        routes: dict[str, RouteTargets | None] = {}
+        for (model, _), _ in batches:  # (text prompts on the template path carry no chain)
+            if model not in routes:
+                routes[model] = yield from self._route_targets(model)
 
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
@@ -165,6 +199,7 @@ class ClientCore(ABC, Generic[H]):
                 [prepared[i] for i in indices],
                 now=now,
                 ttl_s=self.settings.record_ttl_s,
+                route=routes[model],
             )
             return RunScript(ENQUEUE, k, a)
 
@@ -221,6 +256,7 @@ class ClientCore(ABC, Generic[H]):
             priority=Priority.parse(record.priority or "normal"),
             now=time.time(),
             ttl_s=self.settings.record_ttl_s,
+            routed_to=record.routed_to,
         )
 
     # -- models and queues ----------------------------------------------------------------------

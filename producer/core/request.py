@@ -18,6 +18,7 @@ import orjson
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
+from tokenfleet.shared.prefix_chain import prefix_chain, session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import GenerationRequest, SamplingParams, check_text
 from tokenfleet.shared.settings import Settings
@@ -56,6 +57,8 @@ class Prepared:
     deadline: float | None  # epoch seconds, or None
     payload: bytes  # the encoded GenerationRequest (what workers read)
     chosen_id: bool  # the client chose the id (so the enqueue script checks its fingerprint)
+    session: str | None = None  # routing: the session key (prefix_chain.session_of), or None
+    chain: tuple[str, ...] = ()  # routing: the prefix chain (empty: routing off, or bulk)
 
     @classmethod
     def of(cls, request: GenerationRequest, max_bytes: int, *, chosen_id: bool) -> Prepared:
@@ -110,11 +113,18 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
     if not params.keys() <= SUBMIT_FIELDS:
         unknown = ", ".join(sorted(set(params) - SUBMIT_FIELDS))
         raise InvalidRequest(f"unknown request parameter(s): {unknown}")
-    return Prepared.of(
-        build(settings, now=now, **params),
-        settings.max_payload_bytes,
-        chosen_id=params.get("request_id") is not None,
+    request = build(settings, now=now, **params)
+    prepared = Prepared.of(
+        request, settings.max_payload_bytes, chosen_id=params.get("request_id") is not None
     )
+    if settings.routing != "off":  # the producer has no tokenizer: a chain over the text
+        prepared.session = session_of(request.metadata)
+        prepared.chain = prefix_chain(
+            prompt=request.prompt,
+            messages=request.messages,
+            prompt_token_ids=request.prompt_token_ids,
+        )
+    return prepared
 
 
 def build(

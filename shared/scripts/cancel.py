@@ -33,14 +33,16 @@ def withdraw_keys_args(
     priority: Priority,
     now: float,
     ttl_s: int,
+    routed_to: str = "",
 ) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV for :data:`CANCEL` and :data:`EXPIRE_OVERDUE`."""
+    """KEYS and ARGV for :data:`CANCEL` and :data:`EXPIRE_OVERDUE`. ``routed_to``: the
+    record's (a queued request routed to that worker waits in its routed stream)."""
     rid = event.request_id
     key_list = [
         keys.record(rid),
         keys.tokens(rid),
         keys.channel(rid),
-        keys.stream(model, priority),
+        keys.routed(model, priority, routed_to) if routed_to else keys.stream(model, priority),
         keys.cancel_set,
     ]
     args = [

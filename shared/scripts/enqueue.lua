@@ -2,7 +2,10 @@
 -- KEYS[3] = set of queue names           KEYS[4] = cancel set
 -- KEYS[5] = served models (sorted set: model -> expiry of its live servers' heartbeats)
 -- KEYS[6] = declared models (set)
--- KEYS[6+i] = record hash of request i   (i = 1 .. n, in the order of the quadruples in ARGV)
+-- KEYS[7 .. 6+R] = routing keys (R = ARGV[23]; none when 0): KEYS[7] = the model's routers
+--   (sorted set), KEYS[8] = its load hash, then per candidate worker c = 1 .. C: its prefix set,
+--   its routed stream of this queue; then the session keys the requests name (tf_route.lua)
+-- KEYS[6+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
 -- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
 -- ARGV[3] = consumer group name          ARGV[4] = queue member name (model|label)
 -- ARGV[5] = model                        ARGV[6] = priority label
@@ -17,9 +20,19 @@
 -- ARGV[21] = mode: "submit" (apply the queue's policy) or "try" (a full queue refuses,
 --            whatever its policy: no eviction, no waiting)
 -- ARGV[22] = publish command for channels (PUBLISH, or SPUBLISH on a Redis Cluster)
--- ARGV[23..] = quadruples: request id, encoded request, deadline (epoch seconds) or "",
+-- ARGV[23] = R, the number of routing keys   ARGV[24] = C, the number of candidate workers
+-- ARGV[25] = session TTL (seconds)            ARGV[26 .. 25+C] = the candidates' names
+-- ARGV[26+C ..] = sextuples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
---              (a generated id: no other request can carry it, so nothing to compare)
+--              (a generated id: no other request can carry it, so nothing to compare), the
+--              KEYS index of its session key or "" (none), its prefix chain (links separated
+--              by spaces) or ""
+-- Routing: each new request goes to a candidate's routed stream (tf_route.lua: its session's
+-- worker, else the longest prefix match, else, with a session, the least loaded; the record
+-- gets "routed_to" and "route") or to the shared stream KEYS[1] (route "shared"). The bound
+-- counts the waiting (undelivered) entries of KEYS[1] and of every candidate's routed stream;
+-- expiry reclaim scans the head of each, and drop-oldest evicts the oldest waiting entry of
+-- them all (smallest stream id: the one that has waited longest, wherever it waits).
 -- Returns {"ok", i1, code1, value1, i2, code2, value2, ...}: one triple per request that was
 -- not enqueued anew, in order (i = its position in the call, from 1); a request not listed is
 -- new (a bulk call that enqueued everything answers {"ok"}: half a microsecond less per
@@ -42,8 +55,11 @@
 -- script's own). It is the one place a script builds a key; docs/protocol.md ("Keys in
 -- scripts") says why and what a Redis Cluster deployment needs instead.
 -- @include tf_finish.lua
+-- @include tf_route.lua
 
-if #KEYS ~= 6 + (#ARGV - 22) / 4 then
+local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
+local J0 = 26 + C  -- the first request's ARGV
+if #KEYS ~= 6 + R + (#ARGV - J0 + 1) / 6 then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
 end
 local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
@@ -60,13 +76,13 @@ local function victim_keys(rid)
   return ARGV[9] .. rid .. ARGV[10], ARGV[11] .. rid .. ARGV[12], ARGV[13] .. rid .. ARGV[14]
 end
 
-local function end_waiting(sid, rid, status, template, message)
+local function end_waiting(from, sid, rid, status, template, message)
   if not rid or not string.find(rid, '^[A-Za-z0-9][A-Za-z0-9%._%-]*$') then
-    redis.call('XDEL', stream, sid)
+    redis.call('XDEL', from, sid)
     return
   end
   local victim_record, victim_tokens, victim_channel = victim_keys(rid)
-  tf_finish(victim_record, victim_tokens, victim_channel, stream, KEYS[4], rid, status,
+  tf_finish(victim_record, victim_tokens, victim_channel, from, KEYS[4], rid, status,
             event_for(template, rid), now, ttl, sid, group, '',
             {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22])
 end
@@ -121,8 +137,8 @@ if not expiry or tonumber(expiry) <= tonumber(now) then
 end
 if unserved then  -- nothing is written: existing ids still answer as they would
   local refused = {'ok'}
-  local k = 6
-  for j = 23, #ARGV, 4 do
+  local k = 6 + R
+  for j = J0, #ARGV, 6 do
     k = k + 1
     local code, value = 'unserved', unserved
     if bad_id(ARGV[j]) then
@@ -130,35 +146,69 @@ if unserved then  -- nothing is written: existing ids still answer as they would
     elseif redis.call('EXISTS', KEYS[k]) == 1 then
       code, value = existing(KEYS[k], ARGV[j], ARGV[j + 3])
     end
-    refused[#refused + 1] = k - 6
+    refused[#refused + 1] = k - 6 - R
     refused[#refused + 1] = code
     refused[#refused + 1] = value
   end
   return refused
 end
 
--- pending count and last-delivered id of the group, creating stream and group if needed
-local pending, last = 0, '0-0'
-local groups = redis.pcall('XINFO', 'GROUPS', stream)
-local found = false
-if type(groups) == 'table' and not groups.err then
-  for _, g in ipairs(groups) do
-    local name, p, l
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1]
-      elseif g[i] == 'pending' then p = g[i + 1]
-      elseif g[i] == 'last-delivered-id' then l = g[i + 1] end
-    end
-    if name == group then
-      found, pending, last = true, tonumber(p), l
+-- whether the group exists on stream s, its pending count and its last-delivered id
+local function group_state(s)
+  local groups = redis.pcall('XINFO', 'GROUPS', s)
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      local name, p, l
+      for i = 1, #g, 2 do
+        if g[i] == 'name' then name = g[i + 1]
+        elseif g[i] == 'pending' then p = g[i + 1]
+        elseif g[i] == 'last-delivered-id' then l = g[i + 1] end
+      end
+      if name == group then
+        return true, tonumber(p), l
+      end
     end
   end
+  return false, 0, '0-0'
 end
+
+local function undelivered(s)
+  local found, p = group_state(s)
+  return found and redis.call('XLEN', s) - p or 0
+end
+
+-- the shared stream: creating stream and group if needed
+local found = group_state(stream)
 if not found then
   redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
 end
-local waiting = redis.call('XLEN', stream) - pending
+local router = new_router(7, {unpack(ARGV, 26, 25 + C)}, tonumber(now), ARGV[25], undelivered)
+local waiting = undelivered(stream) + router.waiting()
 local reclaimed = false
+
+-- the queue's streams whose waiting entries count: KEYS indices (shared, then routed)
+local counted = {1}
+for c = 1, C do counted[#counted + 1] = 8 + 2 * c end
+
+local function id_less(a, b)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, bm = tonumber(am), tonumber(bm)
+  return am < bm or (am == bm and tonumber(as) < tonumber(bs))
+end
+
+-- the oldest waiting entry over the counted streams: KEYS index and entry, or nil
+local function oldest_waiting()
+  local at, victim = nil, nil
+  for _, i in ipairs(counted) do
+    local ok, _, last = group_state(KEYS[i])
+    if ok then
+      local e = redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT', 1)[1]
+      if e and (not victim or id_less(e[1], victim[1])) then at, victim = i, e end
+    end
+  end
+  return at, victim
+end
 
 -- A new record's fields, one table for the call: stream id (fields[2]) and the optional
 -- deadline and fingerprint are set per request, and HSET takes fields[1 .. n]. Fields whose
@@ -180,7 +230,8 @@ local expire_at = string.format('%d', clock[1] * 1000 + math.floor(clock[2] / 10
 -- Which records exist: one EXISTS over all of the call's record keys says "none" in the usual
 -- case, and then no request needs its own (0.3 us each); an id repeated within the call is
 -- caught by `created`. Past 1000 keys (unpack's limit is near 8000) each request asks.
-local any_exist = #KEYS > 1006 or (#KEYS > 6 and redis.call('EXISTS', unpack(KEYS, 7)) > 0)
+local any_exist = #KEYS > 1006 + R
+  or (#KEYS > 6 + R and redis.call('EXISTS', unpack(KEYS, 7 + R)) > 0)
 local created = {}
 
 local out = {'ok'}
@@ -189,38 +240,56 @@ local function answer(i, code, value)  -- a request that was not enqueued anew
   out[#out + 1] = code
   out[#out + 1] = value
 end
-local k = 6
-for j = 23, #ARGV, 4 do
+local k = 6 + R
+for j = J0, #ARGV, 6 do
   local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   k = k + 1
   local rec = KEYS[k]
   if #rid > 128 or not string.find(rid, ID_PATTERN) then  -- bad_id(rid), without the call
-    answer(k - 6, 'invalid', BAD_ID)
+    answer(k - 6 - R, 'invalid', BAD_ID)
   elseif (any_exist or created[rid]) and redis.call('EXISTS', rec) == 1 then
-    answer(k - 6, existing(rec, rid, fp))
+    answer(k - 6 - R, existing(rec, rid, fp))
   else
     if waiting >= max_waiting and not reclaimed then
       reclaimed = true
-      local head = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', tonumber(ARGV[18]))
-      for _, e in ipairs(head) do
-        local dl = field(e, 'dl')
-        if dl and dl ~= '' and tonumber(dl) <= tonumber(now) then
-          end_waiting(e[1], field(e, 'id'), 'expired', ARGV[16], ARGV[20])
-          waiting = waiting - 1
+      for _, i in ipairs(counted) do
+        local ok, _, last = group_state(KEYS[i])
+        local head = ok and redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT',
+                                       tonumber(ARGV[18])) or {}
+        for _, e in ipairs(head) do
+          local dl = field(e, 'dl')
+          if dl and dl ~= '' and tonumber(dl) <= tonumber(now) then
+            end_waiting(KEYS[i], e[1], field(e, 'id'), 'expired', ARGV[16], ARGV[20])
+            waiting = waiting - 1
+          end
         end
       end
     end
     local admit = waiting < max_waiting
     if not admit and policy == 'drop_oldest' and ARGV[21] == 'submit' then
-      local victim = redis.call('XRANGE', stream, '(' .. last, '+', 'COUNT', 1)[1]
+      local at, victim = oldest_waiting()
       if victim then
-        end_waiting(victim[1], field(victim, 'id'), 'dropped', ARGV[15], ARGV[19])
+        end_waiting(KEYS[at], victim[1], field(victim, 'id'), 'dropped', ARGV[15], ARGV[19])
         waiting = waiting - 1
         admit = true
       end
     end
+    local chosen, route = nil, nil
+    if admit and R > 0 then
+      local chain = {}
+      for link in string.gmatch(ARGV[j + 5], '%S+') do chain[#chain + 1] = link end
+      chosen, route = router.pick(tonumber(ARGV[j + 4]), chain)
+    end
+    local target = 1
+    if chosen then
+      target = 8 + 2 * chosen
+      if not group_state(KEYS[target]) then
+        redis.call('XGROUP', 'CREATE', KEYS[target], group, '0', 'MKSTREAM')
+      end
+      router.added(chosen)
+    end
     if admit then
-      local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', payload, 'dl', deadline)
+      local sid = redis.call('XADD', KEYS[target], '*', 'id', rid, 'd', payload, 'dl', deadline)
       -- The payload lives in the stream entry only (the worker reads it there; a claim or a
       -- handback keeps the entry's fields), so the record does not store a second copy.
       fields[2] = sid
@@ -235,14 +304,21 @@ for j = 23, #ARGV, 4 do
         fields[n + 2] = fp
         n = n + 2
       end
+      if chosen then  -- (no "route" field: "shared", the reader's default)
+        fields[n + 1] = 'route'
+        fields[n + 2] = route
+        fields[n + 3] = 'routed_to'
+        fields[n + 4] = ARGV[25 + chosen]
+        n = n + 4
+      end
       redis.call('HSET', rec, unpack(fields, 1, n))
       redis.call('PEXPIREAT', rec, expire_at)
       created[rid] = true
       waiting = waiting + 1
     elseif policy == 'block' and ARGV[21] == 'submit' then
-      answer(k - 6, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
+      answer(k - 6 - R, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
     else
-      answer(k - 6, 'overloaded', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting
+      answer(k - 6 - R, 'overloaded', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting
         .. ' waiting, policy ' .. policy .. ')')
     end
   end

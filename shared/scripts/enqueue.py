@@ -22,6 +22,11 @@ cannot: which requests those are is decided inside the script, from the stream. 
 them from prefix/suffix templates that ``Keys`` produces (never from names of its own), in one
 function, ``victim_keys``; docs/protocol.md ("Keys in scripts") says what a Redis Cluster
 deployment needs instead. Tokenfleet targets one Redis (or a primary).
+
+Routing (README "Routing"): with a :class:`RouteTargets` (the model's routing candidates, read
+by the producer from ``Keys.routers``), each request carries its session key and prefix chain
+and may go to a candidate's routed stream instead of the shared one; the bound counts the
+routed streams' waiting entries too (see the script's header).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.prefix_chain import session_hash
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fingerprint
@@ -59,6 +65,10 @@ class EnqueueItemLike(Protocol):
     def deadline(self) -> float | None: ...
     @property
     def chosen_id(self) -> bool: ...
+    @property
+    def session(self) -> str | None: ...
+    @property
+    def chain(self) -> tuple[str, ...]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +80,17 @@ class EnqueueItem:
     payload: bytes
     deadline: float | None
     chosen_id: bool = True
+    session: str | None = None  # the session key (``prefix_chain.session_of``), or None
+    chain: tuple[str, ...] = ()  # the prefix chain (``prefix_chain.prefix_chain``)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTargets:
+    """The workers an enqueue call may route to (the model's routers the producer knows) and
+    how long a session stays pinned. Empty ``workers``: routing on, nobody to route to yet."""
+
+    workers: tuple[str, ...]
+    session_ttl_s: int = 600
 
 
 def _template(keys_method: object, marker: str = ID_PLACEHOLDER) -> tuple[str, str]:
@@ -87,6 +108,7 @@ def enqueue_keys_args(
     now: float,
     ttl_s: int,
     try_only: bool = False,
+    route: RouteTargets | None = None,
 ) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
     keys and the fleet's two model keys, then one record key per item, in the items' order.
@@ -94,7 +116,8 @@ def enqueue_keys_args(
     ``try_only`` refuses when the queue is full whatever its policy (``try_submit``). A request
     whose id the client chose carries its fingerprint (the idempotency check); one with a
     generated id carries "" (no other request can hold that id, so there is nothing to compare,
-    and bulk work is spared the hash: about a microsecond per request, measured).
+    and bulk work is spared the hash: about a microsecond per request, measured). ``route``
+    None: routing off (everything to the shared stream, only its waiting entries counted).
     """
     member = keys.queue_member(model, priority)
     dropped = TerminalEvent(
@@ -132,13 +155,39 @@ def enqueue_keys_args(
         keys.served,
         keys.declared,
     ]
+    workers = route.workers if route is not None else ()
+    route_keys: list[str] = []
+    session_at: dict[str, int] = {}  # session key -> its KEYS index (1-based)
+    if route is not None:
+        route_keys += [keys.routers(model), keys.route_load(model)]
+        for w in workers:
+            route_keys += [keys.prefixes(w), keys.routed(model, priority, w)]
+        base = 7 + len(route_keys)
+        for item in items:
+            if item.session is not None:
+                name = keys.session(session_hash(f"{model}|{item.session}"))
+                if name not in session_at:
+                    session_at[name] = base + len(session_at)
+        route_keys += list(session_at)
+    key_list += route_keys
+    args += [
+        str(len(route_keys)),
+        str(len(workers)),
+        str(route.session_ttl_s if route is not None else 0),
+        *workers,
+    ]
     record = keys.record
     for item in items:
         key_list.append(record(item.request_id))
+        session = ""
+        if route is not None and item.session is not None:
+            session = str(session_at[keys.session(session_hash(f"{model}|{item.session}"))])
         args += [
             item.request_id,
             item.payload,
             "" if item.deadline is None else repr(item.deadline),
             request_fingerprint(item.payload) if item.chosen_id else "",
+            session,
+            " ".join(item.chain) if route is not None else "",
         ]
     return key_list, args

@@ -29,6 +29,7 @@ START = load_lua(
 APPEND_TOKENS = load_lua("tokenfleet.shared.scripts", "worker_append_tokens.lua")
 HANDBACK = load_lua("tokenfleet.shared.scripts", "worker_handback.lua", ok_codes=("lost",))
 PULL = load_lua("tokenfleet.shared.scripts", "worker_pull.lua")
+STEAL = load_lua("tokenfleet.shared.scripts", "worker_steal.lua")
 
 
 def append_tokens_keys_args(

@@ -1,4 +1,6 @@
 -- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
+-- KEYS[3] = stream to re-queue into (optional; absent: KEYS[2]): the shared stream of the
+--           request's queue when the entry is in a routed one (a handback goes to any worker)
 -- ARGV[1] = request id                   ARGV[2] = worker name
 -- ARGV[3] = stream entry id              ARGV[4] = consumer group name
 -- ARGV[5] = entry field d (payload)
@@ -15,10 +17,14 @@ if h[1] ~= 'running' or h[2] ~= ARGV[2] then
   end
   return {'lost'}
 end
-local new = redis.call('XADD', KEYS[2], '*', 'id', ARGV[1], 'd', ARGV[5], 'dl', '', 'h', '1')
+local target = KEYS[2]
+if KEYS[3] then
+  target = KEYS[3]
+end
+local new = redis.call('XADD', target, '*', 'id', ARGV[1], 'd', ARGV[5], 'dl', '', 'h', '1')
 redis.call('XACK', KEYS[2], ARGV[4], ARGV[3])
 redis.call('XDEL', KEYS[2], ARGV[3])
-redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'stream_id', new)
+redis.call('HSET', KEYS[1], 'status', 'queued', 'worker', '', 'stream_id', new, 'routed_to', '')
 redis.call('HDEL', KEYS[1], 'deadline')
 redis.call('HINCRBY', KEYS[1], 'attempts', -1)
 return {'ok', new}

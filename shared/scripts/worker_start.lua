@@ -8,6 +8,8 @@
 -- ARGV[8] = the request's model, ARGV[9] = its priority label (optional: absent or "" skips
 --           the comparison with the record's)
 -- ARGV[10] = the queue member (model|label) whose counter in KEYS[5] counts this start
+-- ARGV[11] = how the entry came to this worker (optional: "stolen_by:W" / "overflow:W"),
+--            written to the record's "route" (and "routed_to" to ARGV[2]) when not ""
 -- Returns one of
 --   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
 --                                 events are the token list (what earlier workers published);
@@ -78,6 +80,9 @@ if KEYS[5] then  -- a waiting request left its queue: the gateway's Retry-After 
 end
 if not started then
   redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
+end
+if ARGV[11] and ARGV[11] ~= '' then
+  redis.call('HSET', KEYS[1], 'route', ARGV[11], 'routed_to', ARGV[2])
 end
 if h[8] then
   redis.call('HDEL', KEYS[1], 'waiting_on')

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, get_args
 
 import pytest
@@ -26,7 +27,9 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.scripts.enqueue import ENQUEUE
 from tokenfleet.shared.settings import Settings
 
-SETTINGS = Settings(redis_url="redis://127.0.0.1:1/0", key_prefix="core")
+# routing off: a submit is enqueue, subscribe (with routing on, see
+# test_submit_with_routing_reads_the_routers_once_a_second)
+SETTINGS = Settings(redis_url="redis://127.0.0.1:1/0", key_prefix="core", routing="off")
 
 
 @pytest.fixture
@@ -56,6 +59,22 @@ def test_submit_subscribes_after_the_enqueue_and_survives_a_closed_subscriber(
         plan.throw(redis.ConnectionError("the client is closed"))
     handle = stop.value.value
     assert isinstance(handle, Handle) and handle.request_id == "r1" and handle._sub is None
+
+
+def test_submit_with_routing_reads_the_routers_once_a_second() -> None:
+    client = Client(
+        redis.Redis.from_url(SETTINGS.redis_url), settings=replace(SETTINGS, routing="prefix")
+    )
+    try:
+        plan = client._submit("hi", {"request_id": "r1"}, timeout=None, try_only=False)
+        read = next(plan)
+        assert isinstance(read, Command) and read.args[0] == Keys("core").routers("default")
+        enqueue = plan.send([b"w1"])
+        assert isinstance(enqueue, RunScript) and "w1" in enqueue.args
+        again = client._submit("hi", {"request_id": "r2"}, timeout=None, try_only=False)
+        assert isinstance(next(again), RunScript)  # the candidates are cached
+    finally:
+        client.close()
 
 
 def test_a_block_queue_is_polled_with_growing_delays(offline: Client) -> None:

@@ -9,6 +9,8 @@ live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSE
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
 carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
 figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
+Routing (README "Routing"): each model gets a line with its workers and its waiting requests,
+shared and routed (``routed_status``); ``--json`` has the routed streams under ``routed``.
 
 Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
 so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
@@ -94,11 +96,14 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     for queue, lag in zip(queues, queue_lags(client, keys, queues), strict=True):
         queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA's scaler reads
     dead = client.xlen(keys.dead_letter)
+    from tokenfleet.worker.commands.routed_status import routed_rows
+
     return {
         "prefix": settings.key_prefix,
         "workers": workers,
         "lapsed_workers": lapsed,
         "queues": queues,
+        "routed": routed_rows(client, keys, queues),
         "models": models,
         "waiting_on_models": waiting_on_models(queues, models),
         "dead_letters": dead,
@@ -171,6 +176,9 @@ def render(snap: dict[str, Any]) -> str:
                 f"  {q['model'][:16]:<16} {q['priority']:<9} {q['waiting']:>8} "
                 f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
             )
+    from tokenfleet.worker.commands.routed_status import model_lines
+
+    lines.extend(model_lines(snap))
     if snap["pools"]:
         from tokenfleet.worker.pool.commands import format_pool
 

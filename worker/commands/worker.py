@@ -101,6 +101,23 @@ def register(subparsers: Any) -> None:
         help="run batch work like any other: no sitting out urgent prefills, no cut steps, no "
         "slots taken from it (TOKENFLEET_BATCH_YIELDS=0)",
     )
+    p.add_argument(
+        "--steal-after-s",
+        type=float,
+        help="take other workers' routed work once it has waited this long "
+        "(TOKENFLEET_STEAL_AFTER_S, 0.5)",
+    )
+    p.add_argument(
+        "--overflow-for",
+        metavar="MODEL",
+        help="serve MODEL as an overflow worker: take only its work that waited "
+        "--overflow-after-s (TOKENFLEET_OVERFLOW_FOR)",
+    )
+    p.add_argument(
+        "--overflow-after-s",
+        type=float,
+        help="the overflow threshold in seconds (TOKENFLEET_OVERFLOW_AFTER_S, 5)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     p.set_defaults(func=func)
 
@@ -134,6 +151,9 @@ def build_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         share_weight=args.share_weight,
         urgent_slots=args.urgent_slots,
         batch_yields=args.batch_yields,
+        steal_after_s=args.steal_after_s,
+        overflow_for=args.overflow_for,
+        overflow_after_s=args.overflow_after_s,
     )
     return settings, ws
 

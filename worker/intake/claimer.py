@@ -28,6 +28,10 @@ the socket timeout, between executing the command and answering it). Nobody else
 ``claim_idle_s``, when the caller says what it runs), and starts it; ``START`` resumes it from
 its token list, or ends it if it ended meanwhile.
 
+Routed streams (README "Routing"): every stream of a served level is scanned, the shared one, this
+worker's routed one and every other routed worker's (``Keys.routers``): a dead worker's pending
+routed entries, and what a dead stealer took from anyone's, are claimed like shared ones.
+
 Invariant: an entry whose owner has a live heartbeat is never claimed, except by a process of
 the owner's own name, for entries pending from before that process started, or for orphans.
 """
@@ -66,6 +70,21 @@ class Claimer:
         self._inherited: dict[str, list[tuple[str, int]]] = {}
         self._cursor: dict[str, str] = {}  # stream -> where the next scan starts ("(ID")
 
+    def claim_streams(self) -> list[str]:
+        """Every stream of the served levels, most urgent level first: shared, this worker's
+        routed one, the other routed workers' (each noted in ``streams`` for parsing)."""
+        s = self.streams
+        members: Any = self.client.zrange(self.keys.routers(s.model_name), 0, -1)
+        others = sorted({as_str(m) or "" for m in members} - {"", s.worker_name})
+        out: list[str] = []
+        for p in s.priorities:
+            out += [s.stream_of[p], s.routed_of[p]]
+            for worker in others:
+                stream = self.keys.routed(s.model_name, p, worker)
+                s.note_stream(stream, p)
+                out.append(stream)
+        return out
+
     @property
     def num_inherited(self) -> int:
         """Entries inherited from an earlier process of this name and not yet taken over."""
@@ -83,7 +102,7 @@ class Claimer:
         priorities changed) are passed on to a consumer that never beats, ``NAME~gone``, with
         their idle time kept, for the workers that serve them to claim. Returns how many this
         process will take over."""
-        served = set(self.streams.stream_of.values())
+        served = set(self.claim_streams())
         for stream in served:
             found = self._own_pending(stream)
             if found:
@@ -157,7 +176,7 @@ class Claimer:
         entries pending under its own name whose (stream, entry id) is not in ``known``
         (what it runs or is starting). Inherited entries are left to :meth:`claim`."""
         out: list[Entry] = []
-        for stream in self.streams.stream_of.values():
+        for stream in self.claim_streams():
             inherited = {mid for mid, _ in self._inherited.get(stream, ())}
             found = [
                 (mid, idle)
@@ -176,8 +195,7 @@ class Claimer:
         if budget <= 0:
             return []
         out: list[Entry] = []
-        for p in self.streams.priorities:
-            stream = self.streams.stream_of[p]
+        for stream in self.claim_streams():
             inherited = self._inherited.get(stream)
             if inherited:
                 take = inherited[: budget - len(out)]

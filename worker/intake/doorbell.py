@@ -119,6 +119,8 @@ def wire_doorbell(
         return None
     if not callable(set_interrupt):
         return None
-    doorbell = Doorbell(client, [keys.stream(ws.model_name, p) for p in urgent])
+    streams = [keys.stream(ws.model_name, p) for p in urgent]
+    streams += [keys.routed(ws.model_name, p, ws.name) for p in urgent]  # routed work too
+    doorbell = Doorbell(client, streams)
     set_interrupt(doorbell.rang)
     return doorbell

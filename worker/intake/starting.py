@@ -133,6 +133,7 @@ class Starter:
                     req.model,
                     req.priority.label,
                     Keys.queue_member(req.model, req.priority),
+                    entry.route,
                 ],
             )
         order = self.streams.queue_pull(pipe, budget) if budget > 0 else []

@@ -9,6 +9,12 @@ what the next reads take from a level (the worker keeps its last free slots for 
 urgent than ``batch``: ``Feeder.read_budget``); a level capped at 0 is left out of blocking reads
 too. Replies are parsed into :class:`Entry` objects; a stream or group deleted under the worker
 (NOGROUP, or the UNBLOCKED a blocked read gets) recreates the groups instead of failing.
+
+Routing (README "Routing"): each level has two streams, this worker's routed one
+(``Keys.routed``) and the shared one; every read takes the routed one first, and the two share
+the level's cap (``PULL``'s level groups). Entries of other workers' routed streams come in
+only through stealing (``tokenfleet.worker.intake.stealer``), which notes their streams here
+(:meth:`PriorityStreams.note_stream`) so that they parse like any other.
 """
 
 from __future__ import annotations
@@ -53,13 +59,16 @@ class PriorityStreams:
         self.worker_name = worker_name
         self.starvation_pulls = starvation_pulls
         self.stream_of = {p: keys.stream(model_name, p) for p in self.priorities}
+        self.routed_of = {p: keys.routed(model_name, p, worker_name) for p in self.priorities}
         self.priority_of = {s: p for p, s in self.stream_of.items()}
+        self.priority_of.update({s: p for p, s in self.routed_of.items()})
         self._skipped = dict.fromkeys(self.priorities, 0)
         self.caps: dict[Priority, int] = {}  # level -> entries the next reads may take at most
 
     def ensure_groups(self) -> None:
-        """Create each stream's consumer group at id 0 (MKSTREAM); an existing group is fine."""
-        for stream in self.stream_of.values():
+        """Create each stream's consumer group at id 0 (MKSTREAM), routed ones included; an
+        existing group is fine."""
+        for stream in [*self.stream_of.values(), *self.routed_of.values()]:
             try:
                 self.client.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
             except redis.ResponseError as exc:
@@ -69,6 +78,14 @@ class PriorityStreams:
         for p in self.priorities:
             pipe.sadd(self.keys.queues, Keys.queue_member(self.model_name, p))
         pipe.execute()
+
+    def own(self, p: Priority) -> tuple[str, str]:
+        """The streams this worker reads for level ``p``: its routed one, then the shared one."""
+        return (self.routed_of[p], self.stream_of[p])
+
+    def note_stream(self, stream: str, p: Priority) -> None:
+        """Entries of ``stream`` (another worker's routed stream of level ``p``) may be parsed."""
+        self.priority_of[stream] = p
 
     def order(self) -> list[Priority]:
         """The order of the next pull: starved levels (most skipped first), then by urgency."""
@@ -97,7 +114,7 @@ class PriorityStreams:
             left_out = frozenset(p for p in self.priorities if self.caps.get(p) == 0)
             if left_out == frozenset(self.priorities):  # (caps never close every level)
                 left_out = frozenset()
-            streams = [s for p, s in self.stream_of.items() if p not in left_out]
+            streams = [s for p in self.priorities if p not in left_out for s in self.own(p)]
             pipe.command(
                 "XREADGROUP",
                 "GROUP",
@@ -121,9 +138,10 @@ class PriorityStreams:
         when no level is served)."""
         order = self.order()
         if order:
-            keys = [self.stream_of[p] for p in order]
-            caps = [self.caps.get(p, -1) for p in order]
-            args: list[str | int] = [CONSUMER_GROUP, self.worker_name, budget, *caps]
+            keys = [s for p in order for s in self.own(p)]
+            caps = [self.caps.get(p, -1) for p in order for _ in (0, 1)]
+            levels = [p.label for p in order for _ in (0, 1)]
+            args: list[str | int] = [CONSUMER_GROUP, self.worker_name, budget, *caps, *levels]
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         return order
 
@@ -133,11 +151,11 @@ class PriorityStreams:
         if self.lost_groups(reply):
             return []
         values = registry.check_reply(PULL, reply)
-        levels_read = int(values[1])
+        streams_read = int(values[1])  # two streams per level: routed, shared
         for i, p in enumerate(order):
             if self.caps.get(p) == 0:
                 continue  # held back, not starved
-            if i < levels_read:
+            if 2 * i < streams_read:
                 self._skipped[p] = 0
             else:
                 self._skipped[p] += 1

@@ -14,6 +14,11 @@ Long prompts (``prompt_prep``): a prompt whose length alone proves it cannot fit
 started early but tokenized on a thread once started (``preparing`` in the table), and added to
 the engine by the first poll after its tokens are ready, so the loop keeps stepping meanwhile.
 
+Routing (README "Routing"): ``steal`` takes aged routed work of other workers (``stealer``)
+within the engine's room; every job owned is counted by how it came (hit, miss, steal,
+overflow) and its prefix chain noted in ``prefixes`` (published with the heartbeat). An
+overflow worker (``overflow``) reads nothing but what its stealer takes.
+
 The state of each request lives in the ``RunTable``; the :class:`Feeder` does the engine side of
 each transition (add, abort) together with the table's.
 """
@@ -30,12 +35,14 @@ from tokenfleet.worker.intake import Intake
 from tokenfleet.worker.intake.claimer import Claimer
 from tokenfleet.worker.intake.jobs import Entry, Job, StartReport
 from tokenfleet.worker.intake.reader import Delivery, IntakeReader
+from tokenfleet.worker.intake.stealer import STEAL_INTERVAL_S, Stealer, route_kind
 from tokenfleet.worker.service.adapter import EngineAdapter
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.metrics import WorkerMetrics
 from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.prefix_set import PrefixSet
 from tokenfleet.worker.service.prompt_prep import Prepared, PromptPrep, PromptTooLong
-from tokenfleet.worker.service.run_table import RunTable
+from tokenfleet.worker.service.run_table import RunTable, count_of
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +80,9 @@ class Feeder:
         self.prep = prep or PromptPrep(
             self.engine.tokenizer, self.engine.max_model_len, adapter.chat_text
         )
+        self.stealer: Stealer | None = None  # set by the service (routing_wiring)
+        self.prefixes: PrefixSet | None = None
+        self.overflow = False
 
     # -- how much ------------------------------------------------------------------------------
     def budget(self) -> int:
@@ -97,16 +107,9 @@ class Feeder:
         budget = self.budget()
         extra = self.slots_from_batch
         if extra is not None:
-            table = self.table
-            background = sum(
-                1
-                for jobs in (table.jobs, table.early, table.preparing)
-                for job in jobs.values()
-                if job.entry.priority is BACKGROUND
-            )
             self.intake.streams.caps[BACKGROUND] = max(0, budget - self.reader.held)
-            budget += min(extra, background)
-        return 0 if self.claimer.inheriting else budget
+            budget += min(extra, count_of(self.table, BACKGROUND))
+        return 0 if self.claimer.inheriting or self.overflow else budget
 
     # -- the intake's round trips --------------------------------------------------------------
     def poll(self, timeout_s: float = 0.0) -> None:
@@ -139,6 +142,18 @@ class Feeder:
         if self.claimer.inheriting:  # left for want of room: again soon
             pause = 0.0 if budget > 0 else min(pause, INHERIT_RETRY_S)
         return pause
+
+    def steal(self, now: float) -> float:
+        """Every ``STEAL_INTERVAL_S``: take aged routed work of other workers (an overflow
+        worker: any aged work of its model) within the engine's room, and start it
+        (``stealer``). Returns the monotonic time of the next round."""
+        if self.stealer is None or self.claimer.inheriting or now < self.stealer.next_at:
+            return self.stealer.next_at if self.stealer is not None else math.inf
+        self.stealer.next_at = now + STEAL_INTERVAL_S
+        budget = self.budget() - self.reader.held
+        if budget > 0:
+            self.admit(self.stealer.steal(budget))
+        return self.stealer.next_at
 
     def stop(self) -> None:
         """Stop reading; what the reader had read and now started runs in the grace period."""
@@ -279,6 +294,7 @@ class Feeder:
 
     def _own(self, job: Job) -> None:
         """A started job (``START`` answered ok): make it ours, in the engine."""
+        self._note_route(job)
         table = self.table
         early = table.take_early(job.request_id)
         if early is not None:
@@ -290,6 +306,12 @@ class Feeder:
         if table.restart_after_abort(job):  # the engine still holds an aborted run of the id
             return
         self.add(job)
+
+    def _note_route(self, job: Job) -> None:
+        """Count how ``job`` came here and note its prefix chain as held by this worker."""
+        self.metrics.observe_route(route_kind(job.entry, self.intake.streams))
+        if self.prefixes is not None:
+            self.prefixes.note_request(job.request)
 
     def _add_early(self, job: Job) -> None:
         """Put a request into the engine before its ``START`` has answered (``reader``)."""

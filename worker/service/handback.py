@@ -1,8 +1,9 @@
 """Handback on shutdown: requests still running when the grace period ends go back to the queue.
 
-Each is aborted in the engine and re-queued by the ``HANDBACK`` script at the tail of its stream
-(its entry marked ``h``: its record may hold tokens to resume from), from where any worker
-resumes it from its token list; all of them in one round trip.
+Each is aborted in the engine and re-queued by the ``HANDBACK`` script at the tail of its queue's
+shared stream (also one that came from a routed stream: any worker may resume it), its entry
+marked ``h`` (its record may hold tokens to resume from), from where any worker resumes it from
+its token list; all of them in one round trip.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ def hand_back(
             client,
             pipe,
             HANDBACK,
-            [keys.record(job.request_id), e.stream],
+            [
+                keys.record(job.request_id),
+                e.stream,
+                keys.stream(job.request.model, job.request.priority),
+            ],
             [job.request_id, worker_name, e.entry_id, CONSUMER_GROUP, e.fields.get("d") or b""],
         )
     for job, reply in zip(jobs, pipe.execute(), strict=True):

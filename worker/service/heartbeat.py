@@ -12,6 +12,14 @@ is served exactly while one of its workers' heartbeats would still be alive; the
 refuses requests for models neither served nor declared (README, "Models in a fleet"). Nothing
 is removed on exit (peers may serve the same model; the expiry ends it), and entries that lapsed
 ``LAPSED_KEEP_S`` ago are dropped like names.
+
+Routing (README "Routing"): a worker that takes routed work also sets its own score in
+``P:routers:MODEL`` to its heartbeat's expiry (the enqueue script routes only to workers whose
+score is in the future; it stays listed after its death so that stealers and claimers find its
+routed stream) and its load, ``running`` and ``max_num_seqs``, in ``P:rload:MODEL`` (what the
+enqueue script weighs: a producer may write routing keys, never a worker's heartbeat), and
+publishes the changes of its ``PrefixSet`` to ``P:pfx:NAME``, which expires
+with the heartbeat; every ``RESYNC_BEATS``-th beat (and the first) rewrites that set whole.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.service.prefix_set import PrefixSet
 
 LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers
+RESYNC_BEATS = 30  # every this many beats the published prefix set is rewritten whole
 
 
 class Heartbeat:
@@ -47,10 +57,14 @@ class Heartbeat:
         self.model_name = model_name
         self.ttl_ms = max(1, math.ceil(ttl_s * 1000))
         self.started_at = time.time()
+        self.prefixes: PrefixSet | None = None  # set by a worker that takes routed work
+        self.max_num_seqs = 1  # its engine's, with prefixes (the load's denominator)
+        self._beats = 0
 
     def beat(self, stats: Mapping[str, str | int | float], *, serving: bool = True) -> None:
         """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip; while
-        ``serving`` (it takes new work: not stopping), extend its model's served expiry."""
+        ``serving`` (it takes new work: not stopping), extend its model's served expiry, and
+        with ``prefixes`` set, its routing target score and published prefix set."""
         now = time.time()
         key = self.keys.worker(self.worker_name)
         pipe = self.client.pipeline(transaction=True)
@@ -63,13 +77,43 @@ class Heartbeat:
             served = self.keys.served
             pipe.zadd(served, {self.model_name: now + self.ttl_ms / 1000}, gt=True)
             pipe.zremrangebyscore(served, "-inf", now - LAPSED_KEEP_S)
+        if self.prefixes is not None:
+            self._route_beat(pipe, now, serving, int(stats.get("running", 0)))
         pipe.execute()
+
+    def _route_beat(self, pipe: Any, now: float, serving: bool, running: int) -> None:
+        """Queue the routing part of a beat (module doc) into ``pipe``."""
+        assert self.prefixes is not None
+        key = self.keys.prefixes(self.worker_name)
+        if self._beats % RESYNC_BEATS == 0:
+            self.prefixes.changes()  # superseded by the whole set
+            pipe.delete(key)
+            held = self.prefixes.snapshot()
+            if held:
+                pipe.sadd(key, *held)
+        else:
+            added, removed = self.prefixes.changes()
+            if added:
+                pipe.sadd(key, *added)
+            if removed:
+                pipe.srem(key, *removed)
+        self._beats += 1
+        pipe.pexpire(key, self.ttl_ms)
+        routers = self.keys.routers(self.model_name)
+        if serving:
+            pipe.zadd(routers, {self.worker_name: now + self.ttl_ms / 1000})
+            load = f"{running} {self.max_num_seqs}"
+            pipe.hset(self.keys.route_load(self.model_name), self.worker_name, load)
+        pipe.zremrangebyscore(routers, "-inf", now - LAPSED_KEEP_S)
 
     def remove(self) -> None:
         """Delete the heartbeat: this worker's leftover entries become claimable at once."""
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.worker(self.worker_name))
         pipe.zrem(self.keys.workers, self.worker_name)
+        if self.prefixes is not None:  # no longer a target; stays listed for stealers
+            pipe.delete(self.keys.prefixes(self.worker_name))
+            pipe.zadd(self.keys.routers(self.model_name), {self.worker_name: time.time()}, xx=True)
         pipe.execute()
 
 

@@ -2,16 +2,17 @@
 
 One iteration::
 
-    heartbeat (every heartbeat_interval_s) and claim of dead workers' entries (every
-    claim_interval_s); poll the intake within what the engine can admit now and feed the engine
-    what it read and started (waiting on Redis only when the engine is idle); engine.step();
+    heartbeat (every heartbeat_interval_s), claim of dead workers' entries (every
+    claim_interval_s), steal of aged routed work (routing_wiring); poll the intake within what
+    the engine can admit now and feed the engine what it read and started (waiting on Redis
+    only when the engine is idle); engine.step();
     poll the intake again (what arrived during the step; the round trip this sends has answered
     by the next iteration's poll, a publish later); read and apply the previous step's publish
     replies (the ack side), then send this step's publish (tokens, finishes, cancel check: one
     pipelined round trip) without waiting for its replies; abort what was cancelled.
 
-The loop owns no per-request bookkeeping (``run_table``); its steps live in ``feed``,
-``adapter`` and ``outbox``, the policies in ``step_failure`` and ``handback``.
+The loop owns no per-request bookkeeping (``run_table``); its steps live in ``feed``, ``adapter``
+and ``outbox``, the policies in ``step_failure``, ``handback`` and ``routing_wiring``.
 
 With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
 before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the
@@ -24,8 +25,7 @@ trip is written without waiting and its reply is read at a later step boundary, 
 while the engine computes and nothing competes with the engine for the GIL mid-step: a publisher
 thread cost each first token about half a millisecond of wake-up and GIL hand-over, and an
 intake thread made the step a request arrived in about 0.9 ms longer. A step's publish is
-written the moment the step ends and its replies are read after the next step (one in flight,
-in step order).
+written as the step ends; its replies are read after the next step (one in flight, in order).
 
 Redis outages (``outage.py``): a lost connection anywhere in an iteration pauses the loop (the
 engine is not stepped, and keeps its state) until Redis answers again; then the heartbeat, the
@@ -73,6 +73,7 @@ from tokenfleet.worker.service.outage import (
     restore,
 )
 from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.routing_wiring import wire_routing
 from tokenfleet.worker.service.run_table import RunTable
 from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailures
 from tokenfleet.worker.worker_settings import WorkerSettings
@@ -142,6 +143,7 @@ class WorkerService:
             model_name=wsettings.model_name,
             ttl_s=wsettings.heartbeat_ttl_s,
         )
+        wire_routing(self.feed, self.heartbeat, engine, settings, wsettings)
         self.outage = OutageRider(
             self.client,
             worker_name=name,
@@ -155,8 +157,7 @@ class WorkerService:
         self._stop_at = 0.0
         self._hurry = False
         self.exit_code = 0
-        self._kv_total = 0
-        self._tokens_total = 0
+        self._kv_total = self._tokens_total = 0
 
     # -- control ------------------------------------------------------------------------------
     def request_stop(self, signum: int = 0, _frame: Any = None) -> None:
@@ -175,8 +176,8 @@ class WorkerService:
         self._stop_at = time.monotonic()
 
     def install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.request_stop)
 
     def run(self) -> int:
         """Serve until stopped; returns the process exit code."""
@@ -231,8 +232,9 @@ class WorkerService:
                     if grace_deadline is None:
                         if now >= next_claim:
                             next_claim = now + self.feed.claim(self.ws.claim_interval_s)
+                        timer = min(next_beat, next_claim, self.feed.steal(now))
                         idle = not self.engine.has_unfinished()
-                        wait_s = min(next_beat, next_claim) - time.monotonic() if idle else 0.0
+                        wait_s = timer - time.monotonic() if idle else 0.0
                         if idle and self.pool is not None:
                             wait_s = min(wait_s, self.pool.idle_tick())  # keeps the pool lease
                         self.feed.poll(max(0.0, wait_s))
@@ -320,9 +322,8 @@ class WorkerService:
 
     def _give_up(self) -> bool:
         """While waiting for Redis: a stop was asked and its grace period has passed."""
-        return self.stop_requested and (
-            self._hurry or time.monotonic() >= self._stop_at + self.ws.grace_s
-        )
+        late = self._hurry or time.monotonic() >= self._stop_at + self.ws.grace_s
+        return self.stop_requested and late
 
     # -- shutdown and heartbeat ---------------------------------------------------------------
     def hand_back_all(self) -> None:

@@ -140,6 +140,14 @@ class WorkerMetrics:
             mp,
             registry=r,
         )
+        self.routed = Counter(
+            "tokenfleet:requests_routed",
+            "Requests started, by how they came (README Routing): hit (from this worker's "
+            "routed stream), miss (from the shared stream), steal (another worker's routed "
+            "work that waited), overflow (aged work taken as an overflow worker).",
+            [*m, "how"],
+            registry=r,
+        )
         self.steps_cut = Counter(
             "tokenfleet:batch_steps_cut",
             "Batch-only engine steps cut short because more urgent work arrived.",
@@ -225,6 +233,10 @@ class WorkerMetrics:
             value = timings.get(key)
             if value is not None and value >= 0:
                 hist.labels(*labels).observe(value)
+
+    def observe_route(self, how: str) -> None:
+        """A request started: ``hit``, ``miss``, ``steal`` or ``overflow`` (``routed``)."""
+        self.routed.labels(self.model_name, how).inc()
 
     def observe_outcome(self, priority: Priority, kind: str) -> None:
         """An entry that never ran: ``expired``, ``dead_letter``, ``worker_lost``, ``claimed``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from tokenfleet.shared.priority import Priority
 from tokenfleet.worker.intake.jobs import Job
 
 
@@ -162,3 +163,13 @@ class RunTable:
                     f"invariant 4: {rid!r} resumed from {len(job.resume_token_ids)} tokens "
                     f"but has {job.num_published} published"
                 )
+
+
+def count_of(table: RunTable, priority: Priority) -> int:
+    """Requests of ``priority`` the table's worker started (running, early or being prepared)."""
+    return sum(
+        1
+        for jobs in (table.jobs, table.early, table.preparing)
+        for job in jobs.values()
+        if job.entry.priority is priority
+    )

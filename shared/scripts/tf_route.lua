@@ -1,0 +1,82 @@
+-- KEYS: none (an include, not a script: `-- @include tf_route.lua` pastes it into enqueue.lua;
+--       its functions take the keys they use as arguments, every one from the caller's KEYS[])
+-- ARGV: none
+-- Routing (README "Routing") for one enqueue call. A call names its candidate workers (the
+-- model's routers the producer knows of), each with two keys: KEYS[base + 2c] its prefix set,
+-- KEYS[base + 2c + 1] its routed stream of this queue (KEYS[base] is the routers set,
+-- KEYS[base + 1] the model's load hash). new_router() returns a table with:
+--   waiting(): undelivered entries over the candidates' routed streams
+--   pick(session index into KEYS or nil, chain): index of the chosen candidate (or nil: shared stream) and
+--     the route ("session" | "prefix:N"), pinning the session to the chosen worker
+--   added(c): one more entry is waiting in candidate c's routed stream
+-- Candidate c is live while its score in the routers set is above now; it is a target while
+-- its load (undelivered routed entries + the running its heartbeat reported) is below twice its
+-- max_num_seqs (a prefix hit is worth a short wait; stealers take what waits too long).
+local function new_router(base, names, now, session_ttl, undelivered)
+  local r = {n = #names, load = {}, live = {}, cap = {}, queued = {}}
+  for c = 1, r.n do
+    local score = redis.call('ZSCORE', KEYS[base], names[c])
+    r.live[c] = score ~= false and score ~= nil and tonumber(score) > now
+    r.queued[c] = undelivered(KEYS[base + 2 * c + 1])
+    local load = redis.call('HGET', KEYS[base + 1], names[c]) or ''
+    local running, cap = string.match(load, '^(%d+) (%d+)$')
+    r.cap[c] = tonumber(cap or '') or 32
+    r.load[c] = r.queued[c] + (tonumber(running or '') or 0)
+  end
+  function r.waiting()
+    local total = 0
+    for c = 1, r.n do total = total + r.queued[c] end
+    return total
+  end
+  function r.eligible(c)
+    return r.live[c] and r.load[c] < 2 * r.cap[c]
+  end
+  function r.added(c)
+    r.queued[c] = r.queued[c] + 1
+    r.load[c] = r.load[c] + 1
+  end
+  function r.least_loaded()
+    local best = nil
+    for c = 1, r.n do
+      if r.eligible(c) and (not best or r.load[c] < r.load[best]) then best = c end
+    end
+    return best
+  end
+  function r.longest(chain)
+    if #chain == 0 then return nil, 0 end
+    local best, best_m = nil, 0
+    for c = 1, r.n do
+      if r.eligible(c) then
+        local hits = redis.call('SMISMEMBER', KEYS[base + 2 * c], unpack(chain))
+        local m = 0
+        while m < #hits and hits[m + 1] == 1 do m = m + 1 end
+        if m > best_m or (m == best_m and m > 0 and r.load[c] < r.load[best]) then
+          best, best_m = c, m
+        end
+      end
+    end
+    return best, best_m
+  end
+  function r.pick(session, chain)
+    local chosen, route = nil, nil
+    if session then
+      local pinned = redis.call('GET', KEYS[session])
+      for c = 1, r.n do
+        if names[c] == pinned and r.eligible(c) then chosen, route = c, 'session' end
+      end
+    end
+    if not chosen then
+      local c, m = r.longest(chain)
+      if c then chosen, route = c, 'prefix:' .. m end
+    end
+    if not chosen and session then
+      chosen = r.least_loaded()
+      if chosen then route = 'session' end
+    end
+    if chosen and session then
+      redis.call('SET', KEYS[session], names[chosen], 'EX', session_ttl)
+    end
+    return chosen, route
+  end
+  return r
+end

@@ -1,0 +1,148 @@
+"""Routing in the enqueue script and the steal script, against the real server (Lua): session
+and prefix choices, liveness and load, bounds over shared + routed streams, drop-oldest across
+them, and stealing only aged, undelivered entries. Plus the prefix chain and the worker's LRU."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.prefix_chain import MAX_LINKS, prefix_chain, session_of
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import RequestRecord, as_str
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, RouteTargets, enqueue_keys_args
+from tokenfleet.shared.scripts.worker import STEAL
+from tokenfleet.worker.service.prefix_set import PrefixSet
+
+P = Priority.NORMAL
+MSGS = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+@pytest.fixture
+def keys() -> Keys:
+    return Keys("trs")
+
+
+def _live(r: redis.Redis, keys: Keys, *names: str, running: int = 0, cap: int = 4) -> None:
+    r.zadd(keys.served, {"default": time.time() + 60})
+    for n in names:
+        r.zadd(keys.routers("default"), {n: time.time() + 60})
+        r.hset(keys.route_load("default"), n, f"{running} {cap}")
+
+
+def _submit(
+    r: redis.Redis, keys: Keys, rid: str, *, session: str | None = None, chain: tuple = ()
+) -> RequestRecord:
+    item = EnqueueItem(rid, b"{}", None, session=session, chain=chain)
+    members: Any = r.zrange(keys.routers("default"), 0, -1)
+    names = tuple(as_str(n) or "" for n in members)
+    k, a = enqueue_keys_args(
+        keys, "default", P, [item], now=time.time(), ttl_s=60, route=RouteTargets(names)
+    )
+    reply = registry.call(r, ENQUEUE, k, a)
+    assert reply[0] == "ok"
+    rec = RequestRecord.from_hash(rid, r.hgetall(keys.record(rid)))
+    assert rec is not None
+    return rec
+
+
+def _next_ms(r: redis.Redis) -> None:
+    """Return once Redis's clock is past the millisecond it showed when called."""
+    first = r.time()
+    while r.time()[1] // 1000 == first[1] // 1000 and r.time()[0] == first[0]:
+        pass
+
+
+def test_the_chain_is_per_message_or_per_full_chunk_and_bounded() -> None:
+    one, two = prefix_chain(messages=MSGS[:1]), prefix_chain(messages=MSGS)
+    assert len(one) == 1 and two[:1] == one and len(two) == 2
+    assert prefix_chain(prompt="x" * 255) == ()  # no full chunk yet
+    assert len(prefix_chain(prompt="x" * 600)) == 2
+    assert len(prefix_chain(messages=MSGS * 20)) == MAX_LINKS
+    assert session_of({"user": "u1"}) == "u1" and session_of({"session": "s", "user": "u"}) == "s"
+    assert session_of(None) is None
+
+
+def test_the_prefix_set_is_a_bounded_lru_and_reports_its_changes() -> None:
+    lru = PrefixSet(3)
+    lru.note(["a", "b"])
+    assert lru.changes() == (["a", "b"], [])
+    lru.note(["c", "a", "d"])  # b is the least recently used: evicted
+    assert len(lru) == 3 and lru.changes() == (["c", "d"], ["b"])
+    lru.note(["e", "f"])  # c and a go, and e, f never published before are just added
+    assert lru.changes() == (["e", "f"], ["a", "c"])
+    assert sorted(lru.snapshot()) == ["d", "e", "f"]
+
+
+def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, keys: Keys) -> None:
+    _live(r, keys, "wa", "wb")
+    first = _submit(r, keys, "r1", session="s")
+    assert first.route == "session" and first.routed_to in ("wa", "wb")
+    home = first.routed_to
+    assert _submit(r, keys, "r2", session="s").routed_to == home  # pinned
+    chain = prefix_chain(messages=MSGS)
+    other = "wb" if home == "wa" else "wa"
+    r.sadd(keys.prefixes(other), chain[0])
+    rec = _submit(r, keys, "r3", chain=chain)
+    assert (rec.route, rec.routed_to) == ("prefix:1", other)
+    r.sadd(keys.prefixes(home), *chain)
+    assert _submit(r, keys, "r4", chain=chain).route == "prefix:2"
+    assert _submit(r, keys, "r5").route == "shared"  # no session, no chain
+    assert r.xlen(keys.stream("default", P)) == 1
+
+
+def test_dead_or_overloaded_workers_are_not_targets(r: redis.Redis, keys: Keys) -> None:
+    _live(r, keys, "wa", running=8, cap=4)  # load 8 >= 2 * 4
+    r.zadd(keys.routers("default"), {"wb": time.time() - 1})  # lapsed
+    r.sadd(keys.prefixes("wa"), *prefix_chain(messages=MSGS))
+    r.sadd(keys.prefixes("wb"), *prefix_chain(messages=MSGS))
+    rec = _submit(r, keys, "r1", session="s", chain=prefix_chain(messages=MSGS))
+    assert rec.route == "shared" and rec.routed_to == ""
+
+
+def test_the_bound_counts_routed_entries_and_drop_oldest_evicts_across_streams(
+    r: redis.Redis, keys: Keys
+) -> None:
+    _live(r, keys, "wa")
+    r.hset(keys.queue_config("default", P), mapping={"max_waiting": 2, "policy": "drop_oldest"})
+    assert _submit(r, keys, "old", session="s").routed_to == "wa"
+    _next_ms(r)  # stream ids of two streams tie within one millisecond (README "Routing")
+    _submit(r, keys, "mid")
+    _submit(r, keys, "new")  # full (1 routed + 1 shared): the oldest, in the routed stream, goes
+    assert r.hget(keys.record("old"), "status") == b"dropped"
+    assert r.xlen(keys.routed("default", P, "wa")) == 0
+    assert r.xlen(keys.stream("default", P)) == 2
+
+
+def test_steal_takes_only_aged_undelivered_entries(r: redis.Redis, keys: Keys) -> None:
+    routed = keys.routed("default", P, "wa")
+    r.xgroup_create(routed, CONSUMER_GROUP, id="0", mkstream=True)
+    now_ms = int(time.time() * 1000)
+    r.xadd(routed, {"id": "a"}, id=f"{now_ms - 5000}-0")
+    r.xadd(routed, {"id": "b"}, id=f"{now_ms - 4000}-0")
+    r.xadd(routed, {"id": "c"}, id=f"{now_ms + 60_000}-0")  # young (in the future)
+    r.xreadgroup(CONSUMER_GROUP, "wa", {routed: ">"}, count=1)  # "a" is wa's (pending)
+    reply = registry.call(r, STEAL, [routed], [CONSUMER_GROUP, "wb", 10, 1000, -1, "normal"])
+    (stream, entries), *_ = reply[1:]
+    assert as_str(stream) == routed and [as_str(e[1][1]) for e in entries] == ["b"]
+    pending: Any = r.xpending_range(routed, CONSUMER_GROUP, "-", "+", 10)
+    assert {(as_str(p["message_id"]), as_str(p["consumer"])) for p in pending} == {
+        (f"{now_ms - 5000}-0", "wa"),
+        (f"{now_ms - 4000}-0", "wb"),
+    }
+    assert registry.call(r, STEAL, [routed], [CONSUMER_GROUP, "wb", 10, 1000, -1, "n"]) == ["ok"]
+
+
+def test_routing_is_prefix_or_off() -> None:
+    from tokenfleet.shared.errors import SettingsError
+    from tokenfleet.shared.settings import Settings
+
+    assert Settings().routing == "prefix"
+    assert Settings.from_env({"TOKENFLEET_ROUTING": "off"}).routing == "off"
+    with pytest.raises(SettingsError, match="routing"):
+        Settings(routing="random")

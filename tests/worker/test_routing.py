@@ -1,0 +1,253 @@
+"""Routing with real worker processes (README "Routing"): sessions and prefixes pick the worker,
+idle workers steal what waits, a killed worker's routed work is taken over, models never mix,
+the overflow pool takes only aged work, and cancel / deadlines / overflow policies still hold.
+
+Every wait polls a condition with a deadline (``wait_for``); no test depends on how fast a
+worker is; where a worker is kept busy by a long request, the test checks that it still ran.
+A record's ``worker`` is cleared at the end; ``routed_to`` names the worker whose routed stream
+it was read from (or that stole it).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from worker_helpers import WorkerProc, record, wait_for, wait_terminal
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.prefix_chain import prefix_chain
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import TokenEvent
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 20}
+LONG = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}  # keeps a worker busy
+
+
+def _turn(*texts: str) -> list[dict[str, str]]:
+    """A conversation: the system prompt, then user/assistant turns alternating."""
+    roles = ["user", "assistant"]
+    return [SYSTEM, *({"role": roles[i % 2], "content": t} for i, t in enumerate(texts))]
+
+
+class Fleet:
+    """Worker processes on one key prefix and a producer client on it."""
+
+    def __init__(self, model_dir: Path, server: RedisServer, prefix: str, tmp: Path) -> None:
+        self.model_dir, self.server, self.prefix, self.tmp = model_dir, server, prefix, tmp
+        self.keys = Keys(prefix)
+        self.r = redis.Redis.from_url(server.url)
+        self.workers: dict[str, WorkerProc] = {}
+        self.client = Client.from_url(settings=Settings(redis_url=server.url, key_prefix=prefix))
+
+    def start(self, name: str, *extra: str, target: bool = True) -> WorkerProc:
+        w = WorkerProc(self.model_dir, self.server.url, self.prefix, name, self.tmp, *extra)
+        self.workers[name] = w
+        w.wait_ready(self.r)
+        if target:  # a routing target once its score in the model's routers set is live
+            model = extra[extra.index("--model-name") + 1] if "--model-name" in extra else "default"
+            wait_for(
+                lambda: (self.r.zscore(self.keys.routers(model), name) or 0) > time.time(),
+                f"{name} to be a routing target",
+            )
+        return w
+
+    def done(self, rid: str) -> Any:
+        rec = wait_terminal(self.r, self.keys, rid)
+        assert rec.status == "done", (rec, self._logs())
+        return rec
+
+    def holds(self, worker: str, chain: tuple[str, ...]) -> None:
+        """Wait until ``worker``'s published prefix set holds all of ``chain``."""
+        key = self.keys.prefixes(worker)
+        wait_for(lambda: all(self.r.smismember(key, list(chain))), f"{worker} to publish chain")
+
+    def _logs(self) -> str:
+        return "\n".join(f"--- {n}\n{w.output()}" for n, w in self.workers.items())
+
+    def close(self) -> None:
+        self.client.close()
+        for w in self.workers.values():
+            w.close()
+        self.r.delete(*(self.r.keys(f"{self.prefix}:*") or ["-"]))
+        self.r.close()
+
+
+@pytest.fixture
+def fleet(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, redis_server: RedisServer, tmp_path: Path
+) -> Iterator[Fleet]:
+    f = Fleet(tiny_model_dir, redis_server, f"trt-{request.node.name[-40:]}", tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def test_a_sessions_turns_stay_on_its_worker_and_a_shared_prefix_follows_its_holder(
+    fleet: Fleet,
+) -> None:
+    fleet.start("ra")
+    fleet.start("rb")
+    c = fleet.client
+    first = c.submit(messages=_turn("hi"), max_tokens=4, metadata={"session": "s1"})
+    rec1 = fleet.done(first.request_id)
+    assert rec1.route == "session" and rec1.routed_to in ("ra", "rb")
+    home = rec1.routed_to
+    second = c.submit(
+        messages=_turn("hi", "hello", "more"), max_tokens=4, metadata={"session": "s1"}
+    )
+    rec2 = fleet.done(second.request_id)
+    assert (rec2.route, rec2.routed_to) == ("session", home)
+    # no session: the longest cached prefix picks the worker (once its set is published)
+    convo = _turn("hi", "hello", "more")
+    fleet.holds(home, prefix_chain(messages=convo))
+    third = c.submit(messages=[*convo, {"role": "assistant", "content": "x"}], max_tokens=4)
+    rec3 = fleet.done(third.request_id)
+    assert rec3.route == f"prefix:{len(convo)}" and rec3.routed_to == home
+    # a prompt nobody holds and no session: the shared stream
+    fourth = c.submit(messages=[{"role": "user", "content": "unseen"}], max_tokens=4)
+    assert fleet.done(fourth.request_id).route == "shared"
+
+
+def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet) -> None:
+    fleet.start("sa", "--max-num-seqs", "1")
+    fleet.start("sb", "--max-num-seqs", "1")
+    c = fleet.client
+    busy = c.submit(messages=_turn("go on"), metadata={"session": "s"}, **LONG)
+
+    def running() -> str:
+        rec = record(fleet.r, fleet.keys, busy.request_id)
+        return rec.routed_to if rec is not None and rec.status == "running" else ""
+
+    home = wait_for(running, "the long request to run")
+    other = "sb" if home == "sa" else "sa"
+    # pinned to the busy worker (one sequence slot, taken): it waits in its routed stream
+    quick = c.submit(
+        messages=_turn("go on", "ok", "short"), max_tokens=4, metadata={"session": "s"}
+    )
+    rec = fleet.done(quick.request_id)
+    assert rec.route == f"stolen_by:{other}" and rec.routed_to == other
+    assert running() == home  # the session's worker was busy all along
+    c.cancel(busy.request_id)
+    wait_terminal(fleet.r, fleet.keys, busy.request_id)
+
+
+def test_a_worker_killed_holding_routed_work_loses_nothing(fleet: Fleet) -> None:
+    fleet.start("ka", "--max-num-seqs", "2")
+    fleet.start("kb", "--max-num-seqs", "2")
+    c = fleet.client
+    params = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+    handles = [
+        c.submit(messages=_turn(f"n{i}"), metadata={"session": "k"}, **params) for i in range(4)
+    ]
+    rids = [h.request_id for h in handles]
+    first = record(fleet.r, fleet.keys, rids[0])
+    assert first is not None
+    home = first.routed_to
+    victim = fleet.workers[home]
+
+    def running_on_victim() -> str | None:
+        for rid in rids:
+            rec = record(fleet.r, fleet.keys, rid)
+            if rec and rec.status == "running" and rec.worker == home and rec.num_tokens >= 4:
+                return rid
+        return None
+
+    held = wait_for(running_on_victim, "a routed request running on its worker", poll_s=0.005)
+    victim.signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    for rid in rids:
+        rec = fleet.done(rid)
+        stream = handles[rids.index(rid)].stream()
+        events = [e.index for e in stream if isinstance(e, TokenEvent)]
+        assert events == list(range(60)), rid  # gap-free, duplicate-free, complete
+        assert rec.num_tokens == 60
+    taken = record(fleet.r, fleet.keys, held)
+    assert taken is not None and taken.attempts == 2
+
+
+def test_two_models_in_one_fleet_never_mix(fleet: Fleet) -> None:
+    fleet.start("ma", "--model-name", "m1")
+    fleet.start("mb", "--model-name", "m2")
+    c = fleet.client
+    handles = []
+    for i in range(6):
+        model = "m1" if i % 2 == 0 else "m2"
+        handles.append(
+            (
+                model,
+                c.submit(
+                    messages=_turn("same"), max_tokens=3, model=model, metadata={"session": "x"}
+                ),
+            )
+        )
+    for model, h in handles:
+        rec = fleet.done(h.request_id)
+        assert rec.routed_to == {"m1": "ma", "m2": "mb"}[model], rec
+
+
+def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
+    after_s = 1.5
+    fleet.start("oa", "--overflow-for", "default", "--overflow-after-s", str(after_s), target=False)
+    c = fleet.client
+    quick = c.submit("a prompt for the overflow pool", max_tokens=3)
+    rec = fleet.done(quick.request_id)
+    assert rec.route == "overflow:oa" and rec.routed_to == "oa"
+    assert rec.started_at is not None and rec.enqueued_at is not None
+    assert rec.started_at - rec.enqueued_at >= after_s - 0.01  # (stream id ms vs record's s)
+    # with a regular worker beside it, whatever the pool took had waited past the threshold
+    fleet.start("ob")
+    handles = [c.submit(f"prompt {i}", max_tokens=3) for i in range(8)]
+    for h in handles:
+        r = fleet.done(h.request_id)
+        if r.route == "overflow:oa":
+            assert r.started_at is not None and r.enqueued_at is not None
+            assert r.started_at - r.enqueued_at >= after_s - 0.01
+
+
+def test_with_routing_cancel_deadlines_and_drop_oldest_still_hold(fleet: Fleet) -> None:
+    """Enqueue-side promises with requests waiting in a routed stream: a routing target that
+    never reads ("ghost": a live heartbeat score and hash, no process) keeps them there."""
+    r, keys, c = fleet.r, fleet.keys, fleet.client
+    now = time.time()
+    r.zadd(keys.served, {"default": now + 600})
+    r.zadd(keys.routers("default"), {"ghost": now + 600})
+    r.hset(keys.route_load("default"), "ghost", "0 8")
+    routed = keys.routed("default", Priority.NORMAL, "ghost")
+    queued = c.submit(messages=_turn("a"), max_tokens=3, metadata={"session": "p"})
+    rec = record(r, keys, queued.request_id)
+    assert rec is not None and (rec.route, rec.routed_to, rec.status) == (
+        "session",
+        "ghost",
+        "queued",
+    )
+    assert r.xlen(routed) == 1
+    c.cancel(queued.request_id)
+    assert wait_terminal(r, keys, queued.request_id).status == "cancelled"
+    assert r.xlen(routed) == 0  # its entry left the routed stream with it
+    # a deadline that passes while it waits in a routed stream: it ends expired
+    late = c.submit(
+        messages=_turn("a", "b"), max_tokens=3, metadata={"session": "p"}, deadline_s=0.2
+    )
+    assert r.xlen(routed) == 1
+    wait_for(lambda: c.status(late.request_id).status == "expired", "the late request to expire")
+    assert r.xlen(routed) == 0
+    # drop_oldest: the bound counts routed entries, and the oldest waiting one is evicted
+    c.set_queue_config("normal", max_waiting=1, policy="drop_oldest")
+    a = c.submit(messages=_turn("a", "c"), max_tokens=3, metadata={"session": "p"})
+    b = c.submit(messages=[{"role": "user", "content": "elsewhere"}], max_tokens=3)
+    assert wait_terminal(r, keys, a.request_id).status == "dropped"
+    rec_b = record(r, keys, b.request_id)
+    assert rec_b is not None and rec_b.status == "queued" and rec_b.route == "shared"
+    assert r.xlen(routed) == 0 and r.xlen(keys.stream("default", Priority.NORMAL)) == 1

@@ -1,0 +1,107 @@
+"""Stealing: an idle worker takes routed work that has waited too long for its target worker.
+
+Routing (README "Routing") puts a request in one worker's routed stream; nothing may wait on a
+busy worker while another idles. So a worker with room left after its own reads runs the
+``STEAL`` script every ``steal_interval_s``: for the other workers' routed streams of its model
+(``Keys.routers`` lists every worker that took routed work, live or lapsed: a dead worker's
+undelivered entries age and are stolen like a busy one's), the undelivered entries older than
+``steal_after_ms`` (stream id time against Redis's ``TIME``) are read under this worker's name in
+the same consumer group. A stolen entry is then an ordinary pending entry of this worker:
+started, acked, claimed if it dies, handed back (to the shared stream) like any other.
+
+Overflow pool (``--overflow-for``): the same script over the model's shared streams as well,
+with the overflow threshold as the age: such a worker takes only work that has waited that long
+(``overflow=True``), and reads nothing else.
+
+Invariant: only entries whose stream id is at least ``steal_after_ms`` old by Redis's clock are
+taken, and only undelivered ones (never another worker's pending entry).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from tokenfleet.shared.keys import CONSUMER_GROUP
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import as_str
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.worker import STEAL
+from tokenfleet.worker.intake.jobs import Entry
+from tokenfleet.worker.intake.streams import PriorityStreams
+
+TARGETS_TTL_S = 1.0  # how long the list of routed workers is reused before it is read again
+STEAL_INTERVAL_S = 0.1  # how often a worker with room looks for aged routed work
+
+
+def route_kind(entry: Entry, streams: PriorityStreams) -> str:
+    """How a started entry came (the ``requests_routed`` metric): ``steal``, ``overflow``,
+    ``hit`` (this worker's routed stream) or ``miss`` (the shared stream, or claimed)."""
+    kind = entry.route.partition(":")[0]
+    if kind in ("stolen_by", "overflow"):
+        return "steal" if kind == "stolen_by" else "overflow"
+    return "hit" if entry.stream == streams.routed_of[entry.priority] else "miss"
+
+
+class Stealer:
+    """Takes aged routed (or, for an overflow worker, any) entries of one model's queues."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        streams: PriorityStreams,
+        *,
+        steal_after_ms: int,
+        overflow: bool = False,
+    ) -> None:
+        self.client = client
+        self.streams = streams
+        self.keys = streams.keys
+        self.steal_after_ms = max(0, steal_after_ms)
+        self.overflow = overflow
+        self._workers: list[str] = []
+        self._read_at = -TARGETS_TTL_S
+        self.next_at = 0.0  # monotonic time of the next steal round (the feeder's timer)
+
+    def workers(self) -> list[str]:
+        """Names in the model's routers set (cached for ``TARGETS_TTL_S``)."""
+        now = time.monotonic()
+        if now - self._read_at >= TARGETS_TTL_S:
+            members: Any = self.client.zrange(self.keys.routers(self.streams.model_name), 0, -1)
+            self._workers = sorted(as_str(m) or "" for m in members)
+            self._read_at = now
+        return self._workers
+
+    def targets(self) -> list[tuple[str, Priority]]:
+        """(stream, level) to take from, most urgent level first: other workers' routed
+        streams; an overflow worker's also the shared streams, before the routed ones."""
+        s = self.streams
+        me = s.worker_name
+        others = [w for w in self.workers() if w and w != me]
+        out: list[tuple[str, Priority]] = []
+        for p in s.priorities:
+            if self.overflow:
+                out.append((s.stream_of[p], p))
+            out += [(self.keys.routed(s.model_name, p, w), p) for w in others]
+        return out
+
+    def steal(self, budget: int) -> list[Entry]:
+        """Take up to ``budget`` aged entries (one round trip); they are this worker's now."""
+        targets = self.targets() if budget > 0 else []
+        if not targets:
+            return []
+        caps = self.streams.caps
+        for stream, p in targets:
+            self.streams.note_stream(stream, p)
+        args: list[str | int] = [CONSUMER_GROUP, self.streams.worker_name, budget]
+        args.append(self.steal_after_ms)
+        args += [caps.get(p, -1) for _, p in targets]
+        args += [p.label for _, p in targets]
+        reply = registry.call(self.client, STEAL, [s for s, _ in targets], args)
+        entries = self.streams.entries(reply[1:])
+        note = f"{'overflow' if self.overflow else 'stolen_by'}:{self.streams.worker_name}"
+        for entry in entries:
+            entry.route = note
+        return entries
