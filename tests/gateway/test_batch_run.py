@@ -336,3 +336,31 @@ def test_a_batch_whose_creator_died_validating_is_validated_again_and_run(
         assert [x["custom_id"] for x in err] == ["bad"]
 
     with_env(bsettings, body)
+
+
+def test_a_cancelled_runner_stops_even_when_redis_turns_the_cancel_into_an_error(
+    bsettings: Settings,
+) -> None:
+    """redis-py may answer a cancel that lands mid-command with a ConnectionError; the runner's
+    retry-on-Redis-error loop must still stop (``BatchHandle.wait`` once hung after its batch
+    completed, awaiting a runner that had swallowed its cancellation)."""
+
+    async def body(env: Env) -> None:
+        runner = env.runner(poll_s=0.05)
+        ticking = asyncio.Event()
+
+        async def tick() -> None:
+            ticking.set()
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                raise redis.ConnectionError("cancelled mid-command") from None
+
+        runner.tick = tick  # type: ignore[method-assign]
+        task = asyncio.create_task(runner.run())
+        await asyncio.wait_for(ticking.wait(), 10)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=10)
+        assert task in done and task.cancelled()  # it stopped, as a cancelled task
+
+    with_env(bsettings, body)

@@ -81,6 +81,16 @@ class DriveConfig:
     validate: Callable[[str, str], Awaitable[None]] | None = None
 
 
+def raise_if_cancelling(exc: BaseException) -> None:
+    """Re-raise a cancellation that a client library turned into an error (redis-py may answer
+    a cancel that lands mid-command with a ``ConnectionError``): a loop that retries on Redis
+    errors must still stop when its task is cancelled, or whoever awaits it waits forever
+    (seen: ``BatchHandle.wait`` hung after its batch completed)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from exc
+
+
 class BatchDriver:
     """Drives one batch to a final status (or until its lease is lost)."""
 
@@ -280,6 +290,7 @@ class BatchDriver:
                 text, terminal = await _collect(handle)
                 break
             except redis.RedisError as exc:
+                raise_if_cancelling(exc)
                 log.warning("batch %s line %d: %s; following it again", self.bid, i, exc)
                 await asyncio.sleep(0.5)
                 handle = self.cfg.client.handle(rid)

@@ -24,7 +24,11 @@ import redis
 import redis.asyncio
 
 from tokenfleet.producer.async_client import AsyncClient
-from tokenfleet.producer.gateway.batches.driver import BatchDriver, DriveConfig
+from tokenfleet.producer.gateway.batches.driver import (
+    BatchDriver,
+    DriveConfig,
+    raise_if_cancelling,
+)
 from tokenfleet.producer.gateway.batches.scripts import LEASE
 from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.shared.errors import TokenfleetError
@@ -82,6 +86,7 @@ class BatchRunner:
                 try:
                     await self.tick()
                 except (redis.RedisError, TokenfleetError) as exc:
+                    raise_if_cancelling(exc)
                     log.warning("batch runner: %s; trying again", exc)
                 await asyncio.sleep(self.poll_s)
         finally:
