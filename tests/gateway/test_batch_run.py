@@ -356,7 +356,7 @@ def test_a_cancelled_runner_stops_even_when_redis_turns_the_cancel_into_an_error
             except asyncio.CancelledError:
                 raise redis.ConnectionError("cancelled mid-command") from None
 
-        runner.tick = tick  # type: ignore[method-assign]
+        runner.tick = tick
         task = asyncio.create_task(runner.run())
         await asyncio.wait_for(ticking.wait(), 10)
         task.cancel()
