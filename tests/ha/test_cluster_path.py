@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
 import redis
+from ha_checks import check_crash_recovery, check_gateway_serves, indices, terminal
 from ha_helpers import DEADLINE_S, HAWorker, cluster_flags, cluster_settings, wait_for
 
 from tokenfleet.producer import Client
@@ -24,7 +24,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
-from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.schema import TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
 from tokenfleet.worker.devtools.local_cluster import LocalCluster
@@ -74,16 +74,6 @@ def fleet(
         for w in workers:
             w.close()
         fleet.r.close()
-
-
-def indices(events: list[Any]) -> list[int]:
-    return [e.index for e in events if isinstance(e, TokenEvent)]
-
-
-def terminal(events: list[Any]) -> str:
-    last = events[-1]
-    assert isinstance(last, TerminalEvent), last
-    return str(last.status.value)
 
 
 def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
@@ -180,70 +170,8 @@ def test_kv_pool_members_on_the_cluster(fleet: Fleet) -> None:
 
 
 def test_the_gateway_serves_on_the_cluster(fleet: Fleet, tmp_path: Path) -> None:
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-
-    import httpx
-    import openai
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": PREFIX}
-    env.pop("REDIS_URL", None)
-    args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
-            "--log-level", "warning", *cluster_flags(fleet.setup, PREFIX)]  # fmt: skip
-    with open(tmp_path / "gateway.log", "wb") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError((tmp_path / "gateway.log").read_text())
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_for(healthy, "the gateway's /health")
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-        whole = sdk.completions.create(model="default", prompt="Cluster", max_tokens=6, seed=1)
-        parts = [
-            c.choices[0].text
-            for c in sdk.completions.create(
-                model="default", prompt="Cluster", max_tokens=6, seed=1, stream=True
-            )
-            if c.choices
-        ]
-        assert whole.choices[0].finish_reason == "length"
-        assert "".join(parts) == whole.choices[0].text
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    check_gateway_serves(PREFIX, cluster_flags(fleet.setup, PREFIX), tmp_path, "Cluster")
 
 
 def test_a_killed_worker_s_request_resumes_on_the_other_gap_free(fleet: Fleet) -> None:
-    with Client.from_url(settings=fleet.settings) as client:
-        handle = client.submit("Crash recovery", max_tokens=150, ignore_eos=True)
-        rid = handle.request_id
-
-        def holder() -> HAWorker | None:
-            rec = fleet.record(rid)
-            if rec is None or rec.status != "running" or rec.num_tokens < 5:
-                return None
-            return next((w for w in fleet.workers if w.name == rec.worker), None)
-
-        victim = wait_for(holder, "the request to run and stream a few tokens")
-        victim.kill()
-        survivor = next(w for w in fleet.workers if w is not victim)
-        events = list(handle.stream(timeout=DEADLINE_S))
-        assert indices(events) == list(range(150)), "gap-free, duplicate-free"
-        assert terminal(events) == "done"
-        rec = fleet.record(rid)
-        assert rec is not None and rec.status == "done" and rec.attempts == 2
-        assert f"resumed {rid} at index" in survivor.output()
-        print(f"crash recovery: {victim.name} killed, {survivor.name} resumed, 150 tokens once")
+    check_crash_recovery(fleet)

@@ -1,0 +1,95 @@
+"""Checks both HA path suites run (tests/ha/test_sentinel_path.py, test_cluster_path.py): the
+same promises through Sentinel and on a Cluster, written once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+from ha_helpers import DEADLINE_S, wait_for
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+
+
+def indices(events: list[Any]) -> list[int]:
+    return [e.index for e in events if isinstance(e, TokenEvent)]
+
+
+def terminal(events: list[Any]) -> str:
+    last = events[-1]
+    assert isinstance(last, TerminalEvent), last
+    return str(last.status.value)
+
+
+def check_gateway_serves(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:
+    """``tokenfleet serve`` with ``redis_flags`` (no REDIS_URL in its environment): a completion
+    through the openai SDK, whole and streamed, agree."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
+    env.pop("REDIS_URL", None)
+    args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
+            "--log-level", "warning", *redis_flags]  # fmt: skip
+    with open(log_dir / "gateway.log", "wb") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError((log_dir / "gateway.log").read_text())
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_for(healthy, "the gateway's /health")
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        whole = sdk.completions.create(model="default", prompt=prompt, max_tokens=6, seed=1)
+        parts = [
+            c.choices[0].text
+            for c in sdk.completions.create(
+                model="default", prompt=prompt, max_tokens=6, seed=1, stream=True
+            )
+            if c.choices
+        ]
+        assert whole.choices[0].finish_reason == "length"
+        assert "".join(parts) == whole.choices[0].text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def check_crash_recovery(fleet: Any) -> None:
+    """A worker SIGKILLed holding a request: the other resumes it, 150 tokens once, gap-free.
+    ``fleet``: ``settings``, ``workers`` (HAWorker: ``name``, ``kill()``, ``output()``) and
+    ``record(rid)``."""
+    with Client.from_url(settings=fleet.settings) as client:
+        handle = client.submit("Crash recovery", max_tokens=150, ignore_eos=True)
+        rid = handle.request_id
+
+        def holder() -> Any:
+            rec = fleet.record(rid)
+            if rec is None or rec.status != "running" or rec.num_tokens < 5:
+                return None
+            return next((w for w in fleet.workers if w.name == rec.worker), None)
+
+        victim = wait_for(holder, "the request to run and stream a few tokens")
+        victim.kill()
+        survivor = next(w for w in fleet.workers if w is not victim)
+        events = list(handle.stream(timeout=DEADLINE_S))
+        assert indices(events) == list(range(150)), "gap-free, duplicate-free"
+        assert terminal(events) == "done"
+        rec = fleet.record(rid)
+        assert rec is not None and rec.status == "done" and rec.attempts == 2
+        assert f"resumed {rid} at index" in survivor.output()
+        print(f"crash recovery: {victim.name} killed, {survivor.name} resumed, 150 tokens once")
