@@ -13,9 +13,11 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from ha_helpers import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
+from tokenfleet.shared.errors import Overloaded
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 
 
@@ -93,3 +95,40 @@ def check_crash_recovery(fleet: Any) -> None:
         assert rec is not None and rec.status == "done" and rec.attempts == 2
         assert f"resumed {rid} at index" in survivor.output()
         print(f"crash recovery: {victim.name} killed, {survivor.name} resumed, 150 tokens once")
+
+
+def check_cancel(fleet: Any) -> None:
+    """A streaming request cancelled after its first token ends ``cancelled``, gap-free."""
+    with Client.from_url(settings=fleet.settings) as client:
+        handle = client.submit("Cancel me", max_tokens=2000, ignore_eos=True)
+        stream = handle.stream(timeout=DEADLINE_S)
+        first = next(stream)
+        assert isinstance(first, TokenEvent)
+        assert handle.cancel()
+        rest = list(stream)
+        assert terminal(rest) == "cancelled"
+        assert indices([first, *rest]) == list(range(len(indices([first, *rest]))))
+        assert client.status(handle.request_id).status == "cancelled"
+
+
+def check_overflow_policies(fleet: Any) -> None:
+    """drop_newest refuses, drop_oldest evicts (on the batch queue, which no worker drains while
+    the test runs: the fleet's workers serve other levels); leaves the queue empty."""
+    with Client.from_url(settings=fleet.settings) as client:
+        client.set_queue_config("batch", max_waiting=2, policy="drop_newest")
+        kept = [client.submit("q", priority="batch", max_tokens=4) for _ in range(2)]
+        with pytest.raises(Overloaded):
+            client.submit("refused", priority="batch", max_tokens=4)
+        client.set_queue_config("batch", policy="drop_oldest")
+        newest = client.submit("newest", priority="batch", max_tokens=4)
+        assert client.status(kept[0].request_id).status == "dropped"
+        assert client.status(newest.request_id).status == "queued"
+        for h in (kept[1], newest):  # leave the queue empty for the next test
+            assert h.cancel()
+        wait_for(
+            lambda: (
+                all(client.status(h.request_id).status == "cancelled" for h in (kept[1], newest))
+                or None
+            ),
+            "the queued requests to be cancelled",
+        )

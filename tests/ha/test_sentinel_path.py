@@ -13,16 +13,21 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
-from ha_checks import check_crash_recovery, check_gateway_serves, indices, terminal
+from ha_checks import (
+    check_cancel,
+    check_crash_recovery,
+    check_gateway_serves,
+    check_overflow_policies,
+    indices,
+    terminal,
+)
 from ha_helpers import DEADLINE_S, HAWorker, ha_settings, sentinel_flags, wait_for
 
 from tokenfleet.producer import Client
-from tokenfleet.shared.errors import Overloaded
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
-from tokenfleet.shared.schema import TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
 from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
@@ -88,37 +93,11 @@ def test_submit_stream_and_status_through_the_sentinels(fleet: Fleet) -> None:
 
 
 def test_cancel_through_the_sentinels(fleet: Fleet) -> None:
-    with Client.from_url(settings=fleet.settings) as client:
-        handle = client.submit("Cancel me", max_tokens=2000, ignore_eos=True)
-        stream = handle.stream(timeout=DEADLINE_S)
-        first = next(stream)
-        assert isinstance(first, TokenEvent)
-        assert handle.cancel()
-        rest = list(stream)
-        assert terminal(rest) == "cancelled"
-        assert indices([first, *rest]) == list(range(len(indices([first, *rest]))))
-        assert client.status(handle.request_id).status == "cancelled"
+    check_cancel(fleet)
 
 
 def test_overflow_policies_on_an_unserved_queue(fleet: Fleet) -> None:
-    with Client.from_url(settings=fleet.settings) as client:
-        client.set_queue_config("batch", max_waiting=2, policy="drop_newest")
-        kept = [client.submit("q", priority="batch", max_tokens=4) for _ in range(2)]
-        with pytest.raises(Overloaded):
-            client.submit("refused", priority="batch", max_tokens=4)
-        client.set_queue_config("batch", policy="drop_oldest")
-        newest = client.submit("newest", priority="batch", max_tokens=4)
-        assert client.status(kept[0].request_id).status == "dropped"
-        assert client.status(newest.request_id).status == "queued"
-        for h in (kept[1], newest):  # leave the queue empty for the next test
-            assert h.cancel()
-        wait_for(
-            lambda: (
-                all(client.status(h.request_id).status == "cancelled" for h in (kept[1], newest))
-                or None
-            ),
-            "the queued requests to be cancelled",
-        )
+    check_overflow_policies(fleet)
 
 
 def test_status_json_reports_the_lag_keda_reads(
