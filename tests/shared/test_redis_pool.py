@@ -50,16 +50,20 @@ def test_a_client_at_its_limit_waits_for_a_connection(settings: Settings) -> Non
         client = async_redis_client(small)
         try:
             key = f"{settings.key_prefix}:pool-wait"
-            first = _task(client.blpop([key + "1"], timeout=2))
-            second = _task(client.blpop([key + "2"], timeout=2))
-            await asyncio.sleep(0.1)
+            other = redis.Redis.from_url(settings.redis_url)
+            first = _task(client.blpop([key + "1"], timeout=30))
+            second = _task(client.blpop([key + "2"], timeout=30))
+            deadline = asyncio.get_running_loop().time() + 10
+            while sum(c.get("cmd") == "blpop" for c in other.client_list()) < 2:
+                assert asyncio.get_running_loop().time() < deadline, "the BLPOPs never blocked"
+                await asyncio.sleep(0.01)  # both connections of the pool are now taken
             third = _task(client.ping())  # no free connection: waits, not fails
             await asyncio.sleep(0.1)
             assert not third.done()
-            other = redis.Redis.from_url(settings.redis_url)
             other.rpush(key + "1", "x")
-            other.close()
             assert await asyncio.wait_for(third, 5) is True
+            other.rpush(key + "2", "x")
+            other.close()
             await asyncio.gather(first, second)
         finally:
             await client.aclose()
