@@ -10,7 +10,6 @@ requests: the wait for ``n`` slots is ``n / rate``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections import deque
@@ -18,6 +17,7 @@ from typing import Any
 
 import redis.asyncio
 
+from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
@@ -59,8 +59,11 @@ class DrainMeter:
     async def run(self, interval_s: float = 1.0) -> None:
         """Sample forever (the app's lifespan runs it as a task); Redis errors skip a sample."""
         while True:
-            with contextlib.suppress(redis.RedisError):
+            cancel_checkpoint()
+            try:
                 await self.sample()
+            except redis.RedisError as exc:
+                raise_if_cancelling(exc)
             await asyncio.sleep(interval_s)
 
     def rate(self, model: str, priority: Priority) -> float:

@@ -10,7 +10,6 @@ every check before the submit passed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from tokenfleet.producer.gateway.metrics import GatewayMetrics
 from tokenfleet.producer.gateway.openai_api import Submission
 from tokenfleet.producer.gateway.responses import Framing, used_tokens
 from tokenfleet.producer.gateway.settings import GatewaySettings
+from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -122,8 +122,11 @@ class Gateway:
     async def keep_models_fresh(self) -> None:
         """Re-read the models every ``models_ttl_s`` (the app's lifespan runs it as a task)."""
         while True:
-            with contextlib.suppress(redis.RedisError):
+            cancel_checkpoint()
+            try:
                 await self.refresh_models()
+            except redis.RedisError as exc:
+                raise_if_cancelling(exc)
             await asyncio.sleep(self.settings.models_ttl_s)
 
     async def check_model(self, model: str) -> None:

@@ -51,6 +51,7 @@ from tokenfleet.producer.gateway.batches.objects import (
 )
 from tokenfleet.producer.gateway.batches.scripts import ADVANCE, LEASE, RECORD
 from tokenfleet.producer.gateway.responses import Framing, failure
+from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import ModelNotServed, Overloaded, TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
@@ -79,16 +80,6 @@ class DriveConfig:
     default_max_tokens: int = 256
     # validates a batch left ``validating`` by a gateway that died (BatchStore.validate)
     validate: Callable[[str, str], Awaitable[None]] | None = None
-
-
-def raise_if_cancelling(exc: BaseException) -> None:
-    """Re-raise a cancellation that a client library turned into an error (redis-py may answer
-    a cancel that lands mid-command with a ``ConnectionError``): a loop that retries on Redis
-    errors must still stop when its task is cancelled, or whoever awaits it waits forever
-    (seen: ``BatchHandle.wait`` hung after its batch completed)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError from exc
 
 
 class BatchDriver:
@@ -137,6 +128,7 @@ class BatchDriver:
             if i not in done:
                 await self._start(i, await self.cfg.redis.lindex(self.lines_key, i))
         while True:
+            cancel_checkpoint()
             if self.failure is not None:  # stop: the runner re-takes us, re-attaching the line
                 raise self.failure
             await self._renew()
@@ -286,6 +278,7 @@ class BatchDriver:
         """Wait for the request's end and record it (following again through Redis outages)."""
         rid = framing.request_id
         while True:
+            cancel_checkpoint()
             try:
                 text, terminal = await _collect(handle)
                 break
@@ -325,6 +318,7 @@ class BatchDriver:
                 await self.cfg.client.cancel(L.request_id(self.bid, i))
         until = time.monotonic() + self.cfg.stop_wait_s
         while self.tasks and time.monotonic() < until:  # the cancelled requests end
+            cancel_checkpoint()
             await asyncio.wait(self.tasks.values(), timeout=self.cfg.tick_s)
             await self._renew()
         done = await self._ledger()

@@ -24,6 +24,7 @@ from tokenfleet.producer.gateway.batches.files import FileStore
 from tokenfleet.producer.gateway.batches.objects import BatchObject
 from tokenfleet.producer.gateway.batches.runner import BatchRunner
 from tokenfleet.producer.gateway.batches.store import BatchStore
+from tokenfleet.shared.cancellation import cancel_checkpoint
 from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
 
@@ -69,6 +70,7 @@ class AsyncBatchHandle:
         try:
             last: tuple[str, int, int] | None = None
             while True:
+                cancel_checkpoint()
                 batch = await self.status()
                 now = (batch.status, batch.completed, batch.failed)
                 if progress is not None and now != last:

@@ -24,13 +24,10 @@ import redis
 import redis.asyncio
 
 from tokenfleet.producer.async_client import AsyncClient
-from tokenfleet.producer.gateway.batches.driver import (
-    BatchDriver,
-    DriveConfig,
-    raise_if_cancelling,
-)
+from tokenfleet.producer.gateway.batches.driver import BatchDriver, DriveConfig
 from tokenfleet.producer.gateway.batches.scripts import LEASE
 from tokenfleet.producer.gateway.batches.store import BatchStore
+from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
@@ -83,6 +80,7 @@ class BatchRunner:
         """Look for batches every ``poll_s``, forever (cancel the task to stop)."""
         try:
             while True:
+                cancel_checkpoint()
                 try:
                     await self.tick()
                 except (redis.RedisError, TokenfleetError) as exc:
