@@ -19,7 +19,7 @@ local function new_router(base, names, now, session_ttl, undelivered)
     r.live[c] = score ~= false and score ~= nil and tonumber(score) > now
     r.queued[c] = undelivered(KEYS[base + 2 * c + 1])
     local load = redis.call('HGET', KEYS[base + 1], names[c]) or ''
-    local running, cap = string.match(load, '^(%d+) (%d+)$')
+    local running, cap = string.match(load, '^(%d+) (%d+)')
     r.cap[c] = tonumber(cap or '') or 32
     r.load[c] = r.queued[c] + (tonumber(running or '') or 0)
   end

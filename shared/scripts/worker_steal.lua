@@ -6,6 +6,7 @@
 --           far behind Redis's clock (TIME) are taken
 -- ARGV[4+i] = entries to take at most from KEYS[i] (negative: no own cap)
 -- ARGV[4+n+i] = level of KEYS[i]: streams of one level share the cap given for the first
+-- ARGV[4+2n+i] = minimum age for KEYS[i] in milliseconds (optional; default ARGV[4])
 -- Returns {"ok", reply...}: one XREADGROUP reply ({stream, entries}) per stream it took from.
 -- Only undelivered entries are looked at (after the group's last-delivered id), oldest first;
 -- the aged ones are a leading run of them (ids grow with time), and exactly that run is read
@@ -47,10 +48,11 @@ for i = 1, n do
       end
     end
     if last then
+      local age = tonumber(ARGV[4 + 2 * n + i] or '') or min_age
       local aged = 0
       for _, e in ipairs(redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT', count)) do
         local ms = tonumber(string.match(e[1], '^(%d+)'))
-        if not ms or now_ms - ms < min_age then
+        if not ms or now_ms - ms < age then
           break
         end
         aged = aged + 1

@@ -17,6 +17,8 @@ from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, RouteTargets, enqueue_keys_args
 from tokenfleet.shared.scripts.worker import STEAL
+from tokenfleet.worker.intake.stealer import STEP_BOUND_CAP, Stealer, step_ms_of
+from tokenfleet.worker.intake.streams import PriorityStreams
 from tokenfleet.worker.service.prefix_set import PrefixSet
 
 P = Priority.NORMAL
@@ -32,7 +34,7 @@ def _live(r: redis.Redis, keys: Keys, *names: str, running: int = 0, cap: int = 
     r.zadd(keys.served, {"default": time.time() + 60})
     for n in names:
         r.zadd(keys.routers("default"), {n: time.time() + 60})
-        r.hset(keys.route_load("default"), n, f"{running} {cap}")
+        r.hset(keys.route_load("default"), n, f"{running} {cap} 40")  # 40: longest step, ms
 
 
 def _submit(
@@ -136,6 +138,53 @@ def test_steal_takes_only_aged_undelivered_entries(r: redis.Redis, keys: Keys) -
         (f"{now_ms - 4000}-0", "wb"),
     }
     assert registry.call(r, STEAL, [routed], [CONSUMER_GROUP, "wb", 10, 1000, -1, "n"]) == ["ok"]
+
+
+def test_steal_takes_each_stream_after_its_own_age(r: redis.Redis, keys: Keys) -> None:
+    """ARGV[4+2n+i]: a per-stream bound (the stealer's, from each target's step time)."""
+    fast, slow = keys.routed("default", P, "wa"), keys.routed("default", P, "wc")
+    now_ms = int(time.time() * 1000)
+    for stream in (fast, slow):
+        r.xgroup_create(stream, CONSUMER_GROUP, id="0", mkstream=True)
+        r.xadd(stream, {"id": stream}, id=f"{now_ms - 3000}-0")  # waited 3 s
+    args: list[str | int] = [
+        CONSUMER_GROUP,
+        "wb",
+        10,
+        500,
+        -1,
+        -1,
+        "normal",
+        "normal",
+        1000,
+        10_000,
+    ]
+    reply = registry.call(r, STEAL, [fast, slow], args)
+    assert [as_str(stream) for stream, _ in reply[1:]] == [fast]
+    assert r.xlen(slow) == 1 and not r.xpending(slow, CONSUMER_GROUP)["pending"]
+
+
+def test_a_stealer_waits_a_few_of_its_targets_steps(r: redis.Redis, keys: Keys) -> None:
+    """A target reads new work at each step's end: the bound is two of its longest recent
+    steps (at least the setting, at most STEP_BOUND_CAP times it)."""
+    streams = PriorityStreams(
+        r, keys, model_name="default", priorities=[P], worker_name="wb", starvation_pulls=8
+    )
+    loads = {"fast": "1 8 30", "slow": "1 8 900", "stuck": "1 8 60000", "old": "1 8"}
+    for worker, load in loads.items():
+        r.hset(keys.route_load("default"), worker, load)
+    names = ["fast", "slow", "stuck", "old"]
+    r.zadd(keys.routers("default"), {w: time.time() + 5 for w in [*names, "wb"]})
+    stealer = Stealer(r, streams, steal_after_ms=500)
+    assert stealer.workers() == sorted([*names, "wb"])
+    ages = {stream: age for stream, _, age in stealer.targets()}
+    assert ages == {
+        keys.routed("default", P, "fast"): 500,
+        keys.routed("default", P, "slow"): 2 * 900,
+        keys.routed("default", P, "stuck"): STEP_BOUND_CAP * 500,
+        keys.routed("default", P, "old"): 500,
+    }
+    assert step_ms_of(b"3 8 120") == 120 and step_ms_of(None) == 0 and step_ms_of("2 4") == 0
 
 
 def test_routing_is_prefix_or_off() -> None:

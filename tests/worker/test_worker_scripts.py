@@ -25,6 +25,7 @@ from tokenfleet.worker.intake import claimer as claiming
 from tokenfleet.worker.intake.claimer import Claimer
 from tokenfleet.worker.service import heartbeat
 from tokenfleet.worker.service.heartbeat import Heartbeat
+from tokenfleet.worker.service.prefix_set import PrefixSet
 
 STREAM = "tft:q:default:normal"
 
@@ -224,6 +225,19 @@ def test_a_beat_drops_names_that_lapsed_long_ago(
     r.zadd(keys.workers, {"old": now - heartbeat.LAPSED_KEEP_S - 5, "recent": now - 60})
     Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30).beat({"running": 0})
     assert sorted(r.zrange(keys.workers, 0, -1)) == [b"me", b"recent"]
+
+
+def test_a_routed_beat_publishes_the_load_and_the_longest_step_since_the_last_beat(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    beat = Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30)
+    beat.prefixes, beat.max_num_seqs = PrefixSet(16), 8
+    for step_s in (0.05, 0.9004, 0.2):
+        beat.note_step(step_s)
+    beat.beat({"running": 3})
+    assert r.hget(keys.route_load("default"), "me") == b"3 8 901"
+    beat.beat({"running": 0})  # no step since: an idle worker reads at once
+    assert r.hget(keys.route_load("default"), "me") == b"0 8 0"
 
 
 def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(

@@ -13,6 +13,14 @@ Overflow pool (``--overflow-for``): the same script over the model's shared stre
 with the overflow threshold as the age: such a worker takes only work that has waited that long
 (``overflow=True``), and reads nothing else.
 
+The bound adapts to the target worker's pace: a worker reads new work at the end of every engine
+step, so a routed entry that arrives mid-step waits for that step whatever the target's room. A
+stealer therefore waits ``max(steal_after_ms, STEAL_AFTER_STEPS x the target's longest recent
+step)``, at most ``STEP_BOUND_CAP x steal_after_ms`` (its heartbeat publishes that step in
+``P:rload:MODEL``): on a GPU (steps of tens of ms)
+the setting rules; on a CPU whose prefill steps take a second, a turn is not taken from the
+worker that holds its history (and re-prefilled cold) only because that worker was mid-step.
+
 Invariant: only entries whose stream id is at least ``steal_after_ms`` old by Redis's clock are
 taken, and only undelivered ones (never another worker's pending entry).
 """
@@ -20,7 +28,6 @@ taken, and only undelivered ones (never another worker's pending entry).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import redis
 
@@ -34,6 +41,15 @@ from tokenfleet.worker.intake.streams import PriorityStreams
 
 TARGETS_TTL_S = 1.0  # how long the list of routed workers is reused before it is read again
 STEAL_INTERVAL_S = 0.1  # how often a worker with room looks for aged routed work
+STEAL_AFTER_STEPS = 2  # a target with room reads an arrival within one step: two is a miss
+STEP_BOUND_CAP = 10  # the step-based bound is at most this many times steal_after_ms
+
+
+def step_ms_of(load: bytes | str | None) -> int:
+    """The longest recent step (ms) in a ``P:rload`` value ``"RUNNING MAX_NUM_SEQS STEP_MS"``
+    (0 when absent: a worker of an older version, or none reported)."""
+    parts = (as_str(load) or "").split()
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() else 0
 
 
 def route_kind(entry: Entry, streams: PriorityStreams) -> str:
@@ -62,29 +78,45 @@ class Stealer:
         self.steal_after_ms = max(0, steal_after_ms)
         self.overflow = overflow
         self._workers: list[str] = []
+        self._step_ms: dict[str, int] = {}  # worker -> its longest recent step (P:rload)
         self._read_at = -TARGETS_TTL_S
         self.next_at = 0.0  # monotonic time of the next steal round (the feeder's timer)
 
     def workers(self) -> list[str]:
-        """Names in the model's routers set (cached for ``TARGETS_TTL_S``)."""
+        """Names in the model's routers set, and their step times (cached for
+        ``TARGETS_TTL_S``)."""
         now = time.monotonic()
         if now - self._read_at >= TARGETS_TTL_S:
-            members: Any = self.client.zrange(self.keys.routers(self.streams.model_name), 0, -1)
+            model = self.streams.model_name
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(self.keys.routers(model), 0, -1)
+            pipe.hgetall(self.keys.route_load(model))
+            members, loads = pipe.execute()
             self._workers = sorted(as_str(m) or "" for m in members)
+            self._step_ms = {as_str(w) or "": step_ms_of(v) for w, v in loads.items()}
             self._read_at = now
         return self._workers
 
-    def targets(self) -> list[tuple[str, Priority]]:
-        """(stream, level) to take from, most urgent level first: other workers' routed
-        streams; an overflow worker's also the shared streams, before the routed ones."""
+    def min_age_ms(self, worker: str | None) -> int:
+        """How long an undelivered entry of ``worker``'s routed stream waits before it is
+        taken (``worker`` None: a shared stream, for an overflow worker)."""
+        if worker is None:
+            return self.steal_after_ms
+        paced = STEAL_AFTER_STEPS * self._step_ms.get(worker, 0)
+        return max(self.steal_after_ms, min(paced, STEP_BOUND_CAP * self.steal_after_ms))
+
+    def targets(self) -> list[tuple[str, Priority, int]]:
+        """(stream, level, minimum age in ms) to take from, most urgent level first: other
+        workers' routed streams; an overflow worker's also the shared streams, before the
+        routed ones."""
         s = self.streams
         me = s.worker_name
         others = [w for w in self.workers() if w and w != me]
-        out: list[tuple[str, Priority]] = []
+        out: list[tuple[str, Priority, int]] = []
         for p in s.priorities:
             if self.overflow:
-                out.append((s.stream_of[p], p))
-            out += [(self.keys.routed(s.model_name, p, w), p) for w in others]
+                out.append((s.stream_of[p], p, self.min_age_ms(None)))
+            out += [(self.keys.routed(s.model_name, p, w), p, self.min_age_ms(w)) for w in others]
         return out
 
     def steal(self, budget: int) -> list[Entry]:
@@ -93,13 +125,14 @@ class Stealer:
         if not targets:
             return []
         caps = self.streams.caps
-        for stream, p in targets:
+        for stream, p, _ in targets:
             self.streams.note_stream(stream, p)
         args: list[str | int] = [CONSUMER_GROUP, self.streams.worker_name, budget]
         args.append(self.steal_after_ms)
-        args += [caps.get(p, -1) for _, p in targets]
-        args += [p.label for _, p in targets]
-        reply = registry.call(self.client, STEAL, [s for s, _ in targets], args)
+        args += [caps.get(p, -1) for _, p, _ in targets]
+        args += [p.label for _, p, _ in targets]
+        args += [age for _, _, age in targets]
+        reply = registry.call(self.client, STEAL, [s for s, _, _ in targets], args)
         entries = self.streams.entries(reply[1:])
         note = f"{'overflow' if self.overflow else 'stolen_by'}:{self.streams.worker_name}"
         for entry in entries:

@@ -17,7 +17,9 @@ Routing (README "Routing"): a worker that takes routed work also sets its own sc
 ``P:routers:MODEL`` to its heartbeat's expiry (the enqueue script routes only to workers whose
 score is in the future; it stays listed after its death so that stealers and claimers find its
 routed stream) and its load, ``running`` and ``max_num_seqs``, in ``P:rload:MODEL`` (what the
-enqueue script weighs: a producer may write routing keys, never a worker's heartbeat), and
+enqueue script weighs: a producer may write routing keys, never a worker's heartbeat) with its
+longest step since the last beat in milliseconds (stealers wait a few of its steps before they
+take its routed work: it reads new work at every step's end), and
 publishes the changes of its ``PrefixSet`` to ``P:pfx:NAME``, which expires
 with the heartbeat; every ``RESYNC_BEATS``-th beat (and the first) rewrites that set whole.
 """
@@ -60,6 +62,11 @@ class Heartbeat:
         self.prefixes: PrefixSet | None = None  # set by a worker that takes routed work
         self.max_num_seqs = 1  # its engine's, with prefixes (the load's denominator)
         self._beats = 0
+        self._longest_step_s = 0.0  # since the last beat
+
+    def note_step(self, duration_s: float) -> None:
+        """Count one engine step's duration (the longest since the last beat is published)."""
+        self._longest_step_s = max(self._longest_step_s, duration_s)
 
     def beat(self, stats: Mapping[str, str | int | float], *, serving: bool = True) -> None:
         """Refresh the heartbeat hash (with ``stats``) and its TTL in one round trip; while
@@ -102,9 +109,11 @@ class Heartbeat:
         routers = self.keys.routers(self.model_name)
         if serving:
             pipe.zadd(routers, {self.worker_name: now + self.ttl_ms / 1000})
-            load = f"{running} {self.max_num_seqs}"
+            step_ms = math.ceil(self._longest_step_s * 1000)
+            load = f"{running} {self.max_num_seqs} {step_ms}"
             pipe.hset(self.keys.route_load(self.model_name), self.worker_name, load)
         pipe.zremrangebyscore(routers, "-inf", now - LAPSED_KEEP_S)
+        self._longest_step_s = 0.0
 
     def remove(self) -> None:
         """Delete the heartbeat: this worker's leftover entries become claimable at once."""

@@ -299,6 +299,7 @@ class WorkerService:
         self._tokens_total += num_new
         self.outbox.end_cancelled()
         stats = self.engine.last_step_stats
+        self.heartbeat.note_step(stats.duration_s)
         self._kv_total = stats.num_kv_blocks_used + stats.num_kv_blocks_free or self._kv_total
         self.metrics.observe_step(
             time.time(), num_new, stats, self.engine.capacity(), self._kv_total
