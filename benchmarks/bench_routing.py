@@ -52,6 +52,7 @@ WORDS = [
 class Side:
     name: str
     ttft_s: list[float] = field(default_factory=list)
+    later_ttft_s: list[float] = field(default_factory=list)  # turns 2.. (history to reuse)
     submit_s: list[float] = field(default_factory=list)
     num_output_tokens: int = 0
     makespan_s: float = 0.0
@@ -134,6 +135,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
             str(args.kv_blocks),
             "--steal-after-s",
             str(args.steal_after_s),
+            "--max-batched-tokens",
+            str(args.max_batched_tokens),
             "--log-level",
             "WARNING",
         ],
@@ -152,6 +155,7 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
             turn = [0] * args.conversations
             current: dict[int, str] = {}  # conversation -> request id in flight
             submitted_at: dict[str, float] = {}
+            later: set[str] = set()  # request ids of turns after a conversation's first
 
             def send(c: int) -> None:
                 msgs = [
@@ -168,6 +172,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                 )
                 side.submit_s.append(time.time() - t0)
                 submitted_at[h.request_id] = t0
+                if turn[c]:
+                    later.add(h.request_id)
                 current[c] = h.request_id
                 h.close()
 
@@ -204,6 +210,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                     side.num_output_tokens += listener.tokens.get(rid, 0)
                     if rid in listener.first:
                         side.ttft_s.append(listener.first[rid] - t0)
+                        if rid in later:
+                            side.later_ttft_s.append(listener.first[rid] - t0)
     finally:
         listener.close()
         fleet.stop()
@@ -224,6 +232,7 @@ def main() -> int:
     p.add_argument("--think-s", type=float, default=1.0, help="between a turn's end and the next")
     p.add_argument("--gap-s", type=float, default=0.5, help="between conversations' starts")
     p.add_argument("--steal-after-s", type=float, default=0.5, help="the workers' steal bound")
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None)
@@ -243,9 +252,11 @@ def main() -> int:
                 side = run_side(name, model, url, args)
                 results[name].append(side)
                 p50, p90 = (percentile(side.ttft_s, q) * 1000 for q in (50, 90))
+                later = percentile(side.later_ttft_s, 50) * 1000
                 sub = percentile(side.submit_s, 50) * 1000
                 print(
                     f"round {i + 1} {name:>6}: TTFT p50 {p50:7.1f} ms  p90 {p90:7.1f} ms"
+                    f"  (turns 2+: p50 {later:7.1f} ms)"
                     f"  throughput {side.throughput:6.1f} tok/s  submit p50 {sub:.2f} ms"
                     f"  routes {side.routes}",
                     flush=True,

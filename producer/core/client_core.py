@@ -35,7 +35,7 @@ from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
-from tokenfleet.shared.record import RequestRecord
+from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
@@ -186,7 +186,7 @@ class ClientCore(ABC, Generic[H]):
         prepared = prepare_many(self.settings, requests, now=now)
         batches = ops.plan_batches(prepared)
         routes: dict[str, RouteTargets | None] = {}
-        for (model, _), _ in batches:  # (text prompts on the template path carry no chain)
+        for (model, _), _ in batches:
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
 
@@ -275,8 +275,13 @@ class ClientCore(ABC, Generic[H]):
         queues = ops.sorted_queues(members)
         if not queues:
             return []
-        keys = ops.stats_keys(self._keys, queues)
-        reply = yield RunScript(QUEUE_STATS, keys, [CONSUMER_GROUP])
+        models = sorted({model for model, _ in queues})
+        names = yield Transaction(
+            tuple(Command(SortedSetCommands.zrange, (self._keys.routers(m), 0, -1)) for m in models)
+        )
+        routers = {m: [as_str(w) or "" for w in ws] for m, ws in zip(models, names, strict=True)}
+        keys, args = ops.stats_keys_args(self._keys, queues, routers, CONSUMER_GROUP)
+        reply = yield RunScript(QUEUE_STATS, keys, args)
         return ops.stats_rows(queues, reply)
 
     def _queue_config(self, priority: str | Priority, model: str | None) -> Plan[QueueConfig]:

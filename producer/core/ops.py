@@ -7,7 +7,7 @@ around the same decisions.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from tokenfleet.producer.core.request import Prepared
@@ -104,12 +104,22 @@ def parse_member(member: bytes | str) -> tuple[str, Priority] | None:
         return None
 
 
-def stats_keys(keys: Keys, queues: Sequence[tuple[str, Priority]]) -> list[str]:
-    """KEYS for QUEUE_STATS: stream and config hash of each queue."""
+def stats_keys_args(
+    keys: Keys,
+    queues: Sequence[tuple[str, Priority]],
+    routers: Mapping[str, Sequence[str]],
+    group: str,
+) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV for QUEUE_STATS: stream and config hash of each queue, then the routed
+    streams of its model's ``routers`` (every worker that took routed work, live or not)."""
     out: list[str] = []
+    args: list[str | int] = [group]
     for model, priority in queues:
         out += [keys.stream(model, priority), keys.queue_config(model, priority)]
-    return out
+        names = routers.get(model, ())
+        out += [keys.routed(model, priority, w) for w in names]
+        args.append(len(names))
+    return out, args
 
 
 def stats_rows(queues: Sequence[tuple[str, Priority]], reply: Sequence[Any]) -> list[QueueStats]:

@@ -18,7 +18,7 @@ import orjson
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
-from tokenfleet.shared.prefix_chain import prefix_chain, session_of
+from tokenfleet.shared.prefix_chain import CHUNK_CHARS, prefix_chain, session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import GenerationRequest, SamplingParams, check_text
 from tokenfleet.shared.settings import Settings
@@ -281,6 +281,7 @@ def prepare_many(
     out: list[Prepared] = []
     templates: dict[tuple[Any, ...], _Template] = {}
     max_bytes = settings.max_payload_bytes
+    chains = settings.routing != "off"
     fresh_ids = os.urandom(16 * len(specs)).hex()  # one call: 32 hex characters per request
     for i, spec in enumerate(specs):
         try:
@@ -298,7 +299,10 @@ def prepare_many(
                 rid, chosen = fresh_ids[32 * i : 32 * i + 32], False
             else:
                 rid, chosen = check_request_id(rid), True
-            out.append(template.instance(max_bytes, params["prompt"], rid, chosen))
+            prepared = template.instance(max_bytes, params["prompt"], rid, chosen)
+            if chains and len(params["prompt"]) >= CHUNK_CHARS:  # routed like submit's
+                prepared.chain = prefix_chain(prompt=params["prompt"])
+            out.append(prepared)
         except InvalidRequest as exc:
             raise InvalidRequest(f"requests[{i}]: {exc}") from None
     return out

@@ -124,9 +124,17 @@ def test_worker_settings_take_the_pool_from_flags_or_environment() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("routed", [False, True], ids=["shared", "routed"])
 def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
-    workers: tuple[Worker, Worker], redis_url: str, r: redis.Redis, tiny_llama_dir: Path
+    workers: tuple[Worker, Worker],
+    redis_url: str,
+    r: redis.Redis,
+    tiny_llama_dir: Path,
+    routed: bool,
 ) -> None:
+    """``routed``: every request carries a session, so it goes through a worker's routed
+    stream (README "Routing"), pinned to its session's worker or stolen from it; the pool's
+    promise is the same."""
     import torch
 
     from tokenfleet.producer import Client
@@ -139,8 +147,19 @@ def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
     batch_prompts = {f"batch-{i}": f"Batch job {i}: summarise the queue" for i in range(12)}
     critical_prompts = {f"crit-{i}": f"Urgent {i}: page the operator" for i in range(2)}
     with Client.from_url(redis_url, settings=settings) as client:
+
+        def session(name: str) -> dict[str, Any]:
+            return {"metadata": {"session": name}} if routed else {}
+
         batch = {
-            rid: client.submit(p, request_id=rid, priority="batch", max_tokens=40, temperature=0.0)
+            rid: client.submit(
+                p,
+                request_id=rid,
+                priority="batch",
+                max_tokens=40,
+                temperature=0.0,
+                **session("flood"),
+            )
             for rid, p in batch_prompts.items()
         }
 
@@ -151,7 +170,12 @@ def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
 
         critical = {
             rid: client.submit(
-                p, request_id=rid, priority="critical", max_tokens=8, temperature=0.0
+                p,
+                request_id=rid,
+                priority="critical",
+                max_tokens=8,
+                temperature=0.0,
+                **session("page"),
             )
             for rid, p in critical_prompts.items()
         }
@@ -175,6 +199,14 @@ def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
 
         batch_results = {rid: h.result(timeout=DEADLINE_S) for rid, h in batch.items()}
     assert a.alive() and b.alive()
+    for rid in [*batch, *critical]:  # where each went, and why (the record says)
+        rec = record(r, rid)
+        assert rec is not None
+        if routed:  # its session's worker, or stolen by the one serving its priority
+            assert rec.route in ("session", "stolen_by:wa", "stolen_by:wb"), rec
+            assert rec.routed_to == ("wa" if rid in batch else "wb"), rec
+        else:
+            assert rec.route == "shared", rec
     snap = pool_snapshot(r, keys, "p")
     assert snap["held"] <= snap["total"]
 

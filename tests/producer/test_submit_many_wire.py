@@ -111,8 +111,11 @@ def test_template_fast_path_payloads_equal_prepare(settings: Settings) -> None:
         {"max_tokens": 7, "prompt": "reordered", "request_id": "rid-1"},
         {"prompt": "high", "priority": "critical", "deadline_s": 5.0, "seed": 3},
         {"prompt": "high again", "priority": "critical", "deadline_s": 5.0, "seed": 3},
+        "a long shared document. " * 30,  # over a chunk: its prefix chain routes it (routing)
+        {"prompt": "another long one, " * 40, "max_tokens": 7},
     ]
     got = prepare_many(settings, specs, now=100.0)
+    assert got[-1].chain and len(got[-2].chain) == 2 and not got[0].chain
     for spec, p in zip(specs, got, strict=True):
         params = {"prompt": spec} if isinstance(spec, str) else dict(spec)
         chosen = "request_id" in params
@@ -125,6 +128,8 @@ def test_template_fast_path_payloads_equal_prepare(settings: Settings) -> None:
         False,
         False,
         True,
+        False,
+        False,
         False,
         False,
     ]

@@ -187,6 +187,27 @@ def test_a_stealer_waits_a_few_of_its_targets_steps(r: redis.Redis, keys: Keys) 
     assert step_ms_of(b"3 8 120") == 120 and step_ms_of(None) == 0 and step_ms_of("2 4") == 0
 
 
+def test_queue_stats_count_the_routed_streams_too(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """``queue_stats`` (``tokenfleet queues``, the gateway's Retry-After, the batch window):
+    a routed entry waits in its queue like a shared one."""
+    from tokenfleet.producer import Client
+    from tokenfleet.shared.settings import Settings
+
+    _live(r, keys, "wa")
+    assert _submit(r, keys, "a", session="s").routed_to == "wa"
+    assert _submit(r, keys, "b").route == "shared"
+    routed = keys.routed("default", P, "wa")
+    settings = Settings(redis_url=redis_url, key_prefix=keys.prefix)
+    with Client.from_url(settings=settings) as client:
+        (row,) = [q for q in client.queue_stats() if q.priority == P.label]
+        assert (row.length, row.running, row.waiting) == (2, 0, 2)
+        assert r.xreadgroup(CONSUMER_GROUP, "wa", {routed: ">"}, count=1)  # wa starts it
+        (row,) = [q for q in client.queue_stats() if q.priority == P.label]
+        assert (row.length, row.running, row.waiting) == (2, 1, 1)
+
+
 def test_routing_is_prefix_or_off() -> None:
     from tokenfleet.shared.errors import SettingsError
     from tokenfleet.shared.settings import Settings
