@@ -1,19 +1,25 @@
-"""Routing (issue 19): a multi-turn chat trace on 2 workers, routed against routing off.
+"""Routing (issue 19): a multi-turn chat trace on 2 workers, routed against round-robin and off.
 
 The trace: ``--conversations`` chats, each with its own long system prompt (``--system-chars``
 characters of seeded words), ``--turns`` turns each; conversation ``c`` starts at ``c *
 --gap-s`` and sends its next turn (its history, the assistant's answer, a new user message)
 ``--think-s`` after the previous one has ended (a user reading and typing). Each worker's KV
-cache (``--kv-blocks``) holds about half of the conversations' prefixes, so where a turn lands
-decides whether its history is a prefix-cache hit.
+cache (``--kv-blocks``) holds about half of the conversations' prefixes (defaults: 8 system
+prompts of about 550 SmolLM2 tokens, histories of 600-700 tokens by the last turn, 192 blocks of
+16 tokens per worker), so where a turn lands decides whether its history is a prefix-cache hit.
+Steps compute at most ``--max-batched-tokens`` (128: chunked prefill, so an arrival waits for a
+short step, not for a whole long prompt's prefill).
 
-Two sides, each on a fresh fleet of 2 workers (1 torch thread each) behind one private
-redis-server, alternating which goes first for ``--rounds`` rounds:
+Three sides, each on a fresh fleet of 2 workers (1 torch thread each) behind one private
+redis-server, rotating which goes first for ``--rounds`` rounds:
 
 * ``routed``: the producer's ``TOKENFLEET_ROUTING=prefix``: each turn carries its session
   (``metadata.session``) and prefix chain; the enqueue script sends it to the session's worker;
-* ``off``: ``routing="off"``: every turn goes to the shared stream (any free worker: the fleet's
-  plain load balancing, the issue's "round-robin").
+* ``rr``: round-robin, the issue's baseline: the n-th turn submitted (over all conversations) goes
+  to worker ``n mod 2``, whatever it holds (through the routing machinery itself: two sessions
+  pinned to the two workers before the run, each turn naming session ``n mod 2``);
+* ``off``: ``routing="off"``: every turn goes to the shared stream (the first free worker takes
+  it: the fleet's plain load balancing, without routing).
 
 TTFT = first token event seen by this process - just before ``submit``; throughput = output
 tokens / (last terminal event - start; think times included, the same on both sides); submit =
@@ -115,13 +121,18 @@ def system_prompts(n: int, chars: int, seed: int) -> list[str]:
     return out
 
 
+def _session(side: str, conversation: int, n: int, num_workers: int) -> str:
+    """The session a turn names: its conversation's, or (round-robin) worker n mod W's."""
+    return f"rr-{n % num_workers}" if side == "rr" else f"conv-{conversation}"
+
+
 def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
     from tokenfleet.producer import Client
     from tokenfleet.shared.settings import Settings
     from tokenfleet.worker.devtools.local_fleet import LocalFleet, delete_prefix
 
     prefix = f"bench-rt-{uuid.uuid4().hex[:6]}"
-    routing = "prefix" if name == "routed" else "off"
+    routing = "off" if name == "off" else "prefix"
     settings = Settings(redis_url=url, key_prefix=prefix, record_ttl_s=600, routing=routing)
     fleet = LocalFleet(
         model,
@@ -142,7 +153,17 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
         ],
     )
     fleet.start()
+    if name == "rr":  # pin session rr-i to worker i (the enqueue script keeps a live pin)
+        from tokenfleet.shared.keys import Keys
+        from tokenfleet.shared.prefix_chain import session_hash
+
+        pins = redis.Redis.from_url(url)
+        keys = Keys(prefix)
+        for i, worker in enumerate(fleet.names):
+            pins.set(keys.session(session_hash(f"default|rr-{i}")), worker, ex=3600)
+        pins.close()
     listener = Listener(url, prefix)
+    submitted = [0]  # turns submitted so far (round-robin)
     side = Side(name)
     try:
         with Client.from_url(url, settings=settings) as client:
@@ -168,8 +189,9 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                     messages=msgs,
                     max_tokens=args.max_tokens,
                     temperature=0,
-                    metadata={"session": f"conv-{c}"},
+                    metadata={"session": _session(name, c, submitted[0], len(fleet.names))},
                 )
+                submitted[0] += 1
                 side.submit_s.append(time.time() - t0)
                 submitted_at[h.request_id] = t0
                 if turn[c]:
@@ -225,15 +247,16 @@ def main() -> int:
     p.add_argument("--model", default="smollm2", help="bundled name, .gguf or folder")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--system-chars", type=int, default=2000)
+    p.add_argument("--system-chars", type=int, default=4000, help="about 550 SmolLM2 tokens")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--kv-blocks", type=int, default=224, help="per worker (16 tokens each)")
+    p.add_argument("--kv-blocks", type=int, default=192, help="per worker (16 tokens each)")
     p.add_argument("--think-s", type=float, default=1.0, help="between a turn's end and the next")
     p.add_argument("--gap-s", type=float, default=0.5, help="between conversations' starts")
     p.add_argument("--steal-after-s", type=float, default=0.5, help="the workers' steal bound")
-    p.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--max-batched-tokens", type=int, default=128, help="tokens per step")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--baselines", default="rr,off", help="sides to compare with: rr, off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None)
     args = p.parse_args()
@@ -244,11 +267,12 @@ def main() -> int:
     model = str(resolve_model(args.model))
     server = None if args.redis_url else RedisServer().start()
     url = args.redis_url or server.url  # type: ignore[union-attr]
-    results: dict[str, list[Side]] = {"routed": [], "off": []}
+    sides = ["routed", *args.baselines.split(",")]
+    results: dict[str, list[Side]] = {name: [] for name in sides}
     try:
         for i in range(args.rounds):
-            order = ["routed", "off"] if i % 2 == 0 else ["off", "routed"]
-            for name in order:
+            shift = i % len(sides)  # each side goes first in turn
+            for name in sides[shift:] + sides[:shift]:
                 side = run_side(name, model, url, args)
                 results[name].append(side)
                 p50, p90 = (percentile(side.ttft_s, q) * 1000 for q in (50, 90))
@@ -265,27 +289,23 @@ def main() -> int:
         if server is not None:
             server.stop()
     print()
-    heads = ("TTFT p50 routed/off", "throughput routed/off", "submit p50 on/off")
-    print(f"{'round':>5} {heads[0]:>20} {heads[1]:>22} {heads[2]:>18}")
-    ttft_r, tput_r, sub_r = [], [], []
-    for i, (a, b) in enumerate(zip(results["routed"], results["off"], strict=True)):
-        t = percentile(a.ttft_s, 50) / percentile(b.ttft_s, 50)
-        q = a.throughput / b.throughput
-        s = percentile(a.submit_s, 50) / percentile(b.submit_s, 50)
-        ttft_r.append(t)
-        tput_r.append(q)
-        sub_r.append(s)
-        print(f"{i + 1:>5} {t:>20.3f} {q:>22.3f} {s:>18.3f}")
-    print(
-        f"{'median':>5} {statistics.median(ttft_r):>20.3f} {statistics.median(tput_r):>22.3f} "
-        f"{statistics.median(sub_r):>18.3f}"
-    )
-    subs_on = [x for s in results["routed"] for x in s.submit_s]
-    subs_off = [x for s in results["off"] for x in s.submit_s]
-    print(
-        f"submit p50: routing on {percentile(subs_on, 50) * 1000:.3f} ms, "
-        f"off {percentile(subs_off, 50) * 1000:.3f} ms"
-    )
+    for base in sides[1:]:
+        heads = (f"TTFT p50 routed/{base}", f"throughput routed/{base}")
+        print(f"{'round':>6} {heads[0]:>22} {heads[1]:>24}")
+        ttft_r, tput_r = [], []
+        for i, (a, b) in enumerate(zip(results["routed"], results[base], strict=True)):
+            ttft_r.append(percentile(a.ttft_s, 50) / percentile(b.ttft_s, 50))
+            tput_r.append(a.throughput / b.throughput)
+            print(f"{i + 1:>6} {ttft_r[-1]:>22.3f} {tput_r[-1]:>24.3f}")
+        print(
+            f"{'median':>6} {statistics.median(ttft_r):>22.3f} {statistics.median(tput_r):>24.3f}"
+        )
+        print()
+    if "off" in results:
+        subs_on = [x for s in results["routed"] for x in s.submit_s]
+        subs_off = [x for s in results["off"] for x in s.submit_s]
+        on, off = percentile(subs_on, 50) * 1000, percentile(subs_off, 50) * 1000
+        print(f"submit p50: routing on {on:.3f} ms, off {off:.3f} ms ({on / off:.3f}x)")
     return 0
 
 
