@@ -3,18 +3,21 @@ same promises through Sentinel and on a Cluster, written once."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from ha_helpers import DEADLINE_S, wait_for
+from ha_helpers import DEADLINE_S, HAWorker, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.errors import Overloaded
@@ -31,16 +34,47 @@ def terminal(events: list[Any]) -> str:
     return str(last.status.value)
 
 
-def check_gateway_serves(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:
-    """``tokenfleet serve`` with ``redis_flags`` (no REDIS_URL in its environment): a completion
-    through the openai SDK, whole and streamed, agree."""
+def _cli(prefix: str, redis_flags: list[str], *args: str) -> str:
+    """A ``tokenfleet`` command with ``redis_flags`` (no REDIS_URL in its environment)."""
+    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
+    env.pop("REDIS_URL", None)
+    cmd = [sys.executable, "-m", "tokenfleet.worker.cli", *args, *redis_flags]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def check_gateway_serves(
+    fleet: Any, prefix: str, redis_flags: list[str], log_dir: Path, model_dir: Path
+) -> None:
+    """``tokenfleet serve --auth required`` with ``redis_flags``: API keys made by ``tokenfleet
+    keys``; a completion through the openai SDK, whole and streamed, agree; a key's request
+    rate is enforced (429); a Batch API batch runs to ``completed`` with every line once (on a
+    worker that serves the batch level, started for it: the fleet's leave it unserved).
+    ``fleet``: ``setup`` and ``r``."""
+    batch_worker = HAWorker(
+        model_dir, fleet.setup, prefix, "batch-only", log_dir, "--priorities", "batch"
+    )
+    try:
+        wait_for(lambda: batch_worker.ready(fleet.r), "the batch worker's heartbeat")
+        _check_gateway(prefix, redis_flags, log_dir, "A gateway in HA mode")
+    finally:
+        batch_worker.close()
+
+
+def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:
+    name = prefix.strip("{}")
+    free = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-free",
+                           "--json"))["api_key"]  # fmt: skip
+    limited = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-rpm1",
+                              "--rpm", "1", "--json"))["api_key"]  # fmt: skip
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
     env.pop("REDIS_URL", None)
     args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
-            "--log-level", "warning", *redis_flags]  # fmt: skip
+            "--log-level", "warning", "--auth", "required", *redis_flags]  # fmt: skip
     with open(log_dir / "gateway.log", "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -55,7 +89,7 @@ def check_gateway_serves(prefix: str, redis_flags: list[str], log_dir: Path, pro
 
     try:
         wait_for(healthy, "the gateway's /health")
-        sdk = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key=free, max_retries=0)
         whole = sdk.completions.create(model="default", prompt=prompt, max_tokens=6, seed=1)
         parts = [
             c.choices[0].text
@@ -66,9 +100,45 @@ def check_gateway_serves(prefix: str, redis_flags: list[str], log_dir: Path, pro
         ]
         assert whole.choices[0].finish_reason == "length"
         assert "".join(parts) == whole.choices[0].text
+        # a rate limit: one request a minute
+        capped = openai.OpenAI(base_url=url + "/v1", api_key=limited, max_retries=0)
+        capped.completions.create(model="default", prompt=prompt, max_tokens=2)
+        with pytest.raises(openai.RateLimitError):
+            capped.completions.create(model="default", prompt=prompt, max_tokens=2)
+        _check_batch(sdk, prompt)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def _check_batch(sdk: openai.OpenAI, prompt: str) -> None:
+    """A 5-line batch through the gateway (which drives it): completed, every line once."""
+    rows = [
+        {
+            "custom_id": f"b-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "default", "prompt": f"{prompt} {i}", "max_tokens": 3},
+        }
+        for i in range(5)
+    ]
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
+    upload = sdk.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    final = ("completed", "failed", "expired", "cancelled")
+
+    def ended() -> Any:
+        time.sleep(0.2)  # (an HTTP call per poll)
+        b = sdk.batches.retrieve(batch.id)
+        return b if b.status in final else None
+
+    done = wait_for(ended, "the batch to end")
+    assert done.status == "completed", done
+    assert done.output_file_id is not None
+    lines = sdk.files.content(done.output_file_id).text.splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in lines) == [f"b-{i}" for i in range(5)]
 
 
 def check_crash_recovery(fleet: Any) -> None:

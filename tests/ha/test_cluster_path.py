@@ -148,8 +148,11 @@ def test_kv_pool_members_on_the_cluster(fleet: Fleet) -> None:
     assert sum(m["held"] for m in snap["members"]) == snap["held"] <= snap["total"]
 
 
-def test_the_gateway_serves_on_the_cluster(fleet: Fleet, tmp_path: Path) -> None:
-    check_gateway_serves(PREFIX, cluster_flags(fleet.setup, PREFIX), tmp_path, "Cluster")
+def test_the_gateway_serves_on_the_cluster(
+    fleet: Fleet, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    flags = cluster_flags(fleet.setup, PREFIX)
+    check_gateway_serves(fleet, PREFIX, flags, tmp_path, tiny_llama_dir)
 
 
 def test_a_killed_worker_s_request_resumes_on_the_other_gap_free(fleet: Fleet) -> None:

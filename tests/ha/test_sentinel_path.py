@@ -134,8 +134,10 @@ def test_kv_pool_members_through_the_sentinels(fleet: Fleet) -> None:
     assert sum(m["held"] for m in snap["members"]) == snap["held"] <= snap["total"]
 
 
-def test_the_gateway_serves_through_the_sentinels(fleet: Fleet, tmp_path: Path) -> None:
-    check_gateway_serves(PREFIX, sentinel_flags(fleet.setup), tmp_path, "Sentinel")
+def test_the_gateway_serves_through_the_sentinels(
+    fleet: Fleet, tmp_path: Path, tiny_llama_dir: Path
+) -> None:
+    check_gateway_serves(fleet, PREFIX, sentinel_flags(fleet.setup), tmp_path, tiny_llama_dir)
 
 
 def test_a_killed_worker_s_request_resumes_on_the_other_gap_free(fleet: Fleet) -> None:
