@@ -22,7 +22,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
                        consumer group as P:q:M:L; any worker may steal entries that waited)
     P:routers:M        sorted set: worker -> expiry (seconds) of the heartbeat of each worker
                        that takes routed work for model M (live while in the future)
-    P:rload:M          hash: worker -> "RUNNING MAX_NUM_SEQS STEP_MS", M's routed workers' load
+    P:rload:M          hash: worker -> "RUNNING MAX_NUM_SEQS STEP_MS LEVELS": load, pace, levels
                        (written with each heartbeat; what the enqueue script weighs)
     P:pfx:NAME         set: the prefix-chain hashes worker NAME holds in its cache (expires
                        with its heartbeat)

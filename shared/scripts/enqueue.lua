@@ -182,7 +182,8 @@ local found = group_state(stream)
 if not found then
   redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
 end
-local router = new_router(7, {unpack(ARGV, 26, 25 + C)}, tonumber(now), ARGV[25], undelivered)
+local router = new_router(7, {unpack(ARGV, 26, 25 + C)}, tonumber(now), ARGV[25], undelivered,
+                          ARGV[6])
 local waiting = undelivered(stream) + router.waiting()
 local reclaimed = false
 

@@ -9,16 +9,21 @@
 --   pick(session index into KEYS or nil, chain): index of the chosen candidate (or nil: shared stream) and
 --     the route ("session" | "prefix:N"), pinning the session to the chosen worker
 --   added(c): one more entry is waiting in candidate c's routed stream
--- Candidate c is live while its score in the routers set is above now; it is a target while
+-- Candidate c is live while its score in the routers set is above now and it serves the
+-- queue's level (the load hash's 4th field lists its levels; absent: all); it is a target while
 -- its load (undelivered routed entries + the running its heartbeat reported) is below twice its
 -- max_num_seqs (a prefix hit is worth a short wait; stealers take what waits too long).
-local function new_router(base, names, now, session_ttl, undelivered)
+local function new_router(base, names, now, session_ttl, undelivered, level)
   local r = {n = #names, load = {}, live = {}, cap = {}, queued = {}}
   for c = 1, r.n do
     local score = redis.call('ZSCORE', KEYS[base], names[c])
     r.live[c] = score ~= false and score ~= nil and tonumber(score) > now
     r.queued[c] = undelivered(KEYS[base + 2 * c + 1])
     local load = redis.call('HGET', KEYS[base + 1], names[c]) or ''
+    local levels = string.match(load, '^%d+ %d+ %d+ (%S+)')
+    if levels and not string.find(',' .. levels .. ',', ',' .. level .. ',', 1, true) then
+      r.live[c] = false
+    end
     local running, cap = string.match(load, '^(%d+) (%d+)')
     r.cap[c] = tonumber(cap or '') or 32
     r.load[c] = r.queued[c] + (tonumber(running or '') or 0)

@@ -92,6 +92,7 @@ def workers(
             if w.proc.poll() is None:
                 w.proc.kill()
                 w.proc.wait(10)
+            w.log.close()  # (stop() closes it too; a failed test never reached it)
 
 
 def record(r: redis.Redis, rid: str) -> RequestRecord | None:

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.prefix_chain import MAX_LINKS, prefix_chain, session_of
+from tokenfleet.shared.prefix_chain import MAX_LINKS, prefix_chain, session_hash, session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.scripts import registry
@@ -105,6 +105,21 @@ def test_dead_or_overloaded_workers_are_not_targets(r: redis.Redis, keys: Keys) 
     r.sadd(keys.prefixes("wb"), *prefix_chain(messages=MSGS))
     rec = _submit(r, keys, "r1", session="s", chain=prefix_chain(messages=MSGS))
     assert rec.route == "shared" and rec.routed_to == ""
+
+
+def test_a_worker_is_a_target_only_for_the_levels_it_serves(r: redis.Redis, keys: Keys) -> None:
+    """A batch-only worker never gets a normal request, even pinned or holding its prefix (it
+    would wait there for a stealer); a worker of an older version (no levels) serves all."""
+    _live(r, keys, "batchy", "both")
+    r.hset(keys.route_load("default"), "batchy", "0 4 40 batch")
+    r.hset(keys.route_load("default"), "both", "5 8 40 critical,normal")  # busier
+    r.sadd(keys.prefixes("batchy"), *prefix_chain(messages=MSGS))
+    rec = _submit(r, keys, "r1", session="s", chain=prefix_chain(messages=MSGS))
+    assert (rec.route, rec.routed_to) == ("session", "both")
+    r.hset(keys.route_load("default"), "both", "0 4 40")  # no levels: every level
+    r.set(keys.session(session_hash("default|s")), "batchy")  # pinned to the batch worker
+    rec = _submit(r, keys, "r2", session="s", chain=prefix_chain(messages=MSGS))
+    assert (rec.route, rec.routed_to) == ("session", "both")
 
 
 def test_the_bound_counts_routed_entries_and_drop_oldest_evicts_across_streams(

@@ -231,13 +231,13 @@ def test_a_routed_beat_publishes_the_load_and_the_longest_step_since_the_last_be
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     beat = Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30)
-    beat.prefixes, beat.max_num_seqs = PrefixSet(16), 8
+    beat.prefixes, beat.max_num_seqs, beat.levels = PrefixSet(16), 8, "critical,normal"
     for step_s in (0.05, 0.9004, 0.2):
         beat.note_step(step_s)
     beat.beat({"running": 3})
-    assert r.hget(keys.route_load("default"), "me") == b"3 8 901"
+    assert r.hget(keys.route_load("default"), "me") == b"3 8 901 critical,normal"
     beat.beat({"running": 0})  # no step since: an idle worker reads at once
-    assert r.hget(keys.route_load("default"), "me") == b"0 8 0"
+    assert r.hget(keys.route_load("default"), "me") == b"0 8 0 critical,normal"
 
 
 def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(

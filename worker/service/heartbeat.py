@@ -19,7 +19,8 @@ score is in the future; it stays listed after its death so that stealers and cla
 routed stream) and its load, ``running`` and ``max_num_seqs``, in ``P:rload:MODEL`` (what the
 enqueue script weighs: a producer may write routing keys, never a worker's heartbeat) with its
 longest step since the last beat in milliseconds (stealers wait a few of its steps before they
-take its routed work: it reads new work at every step's end), and
+take its routed work: it reads new work at every step's end) and the levels it serves (it is
+a routing target only for those), and
 publishes the changes of its ``PrefixSet`` to ``P:pfx:NAME``, which expires
 with the heartbeat; every ``RESYNC_BEATS``-th beat (and the first) rewrites that set whole.
 """
@@ -61,6 +62,8 @@ class Heartbeat:
         self.started_at = time.time()
         self.prefixes: PrefixSet | None = None  # set by a worker that takes routed work
         self.max_num_seqs = 1  # its engine's, with prefixes (the load's denominator)
+        self.levels = ""  # the priority labels it serves, comma-separated (a routing target
+        # only for those: the load's 4th field)
         self._beats = 0
         self._longest_step_s = 0.0  # since the last beat
 
@@ -110,7 +113,7 @@ class Heartbeat:
         if serving:
             pipe.zadd(routers, {self.worker_name: now + self.ttl_ms / 1000})
             step_ms = math.ceil(self._longest_step_s * 1000)
-            load = f"{running} {self.max_num_seqs} {step_ms}"
+            load = f"{running} {self.max_num_seqs} {step_ms} {self.levels}".rstrip()
             pipe.hset(self.keys.route_load(self.model_name), self.worker_name, load)
         pipe.zremrangebyscore(routers, "-inf", now - LAPSED_KEEP_S)
         self._longest_step_s = 0.0

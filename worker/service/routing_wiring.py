@@ -41,3 +41,4 @@ def wire_routing(
     prefixes = PrefixSet(links_for(cap.free_kv_blocks * max(1, cap.block_size)))
     feed.prefixes = heartbeat.prefixes = prefixes
     heartbeat.max_num_seqs = ws.max_num_seqs
+    heartbeat.levels = ",".join(p.label for p in ws.priorities)
