@@ -23,8 +23,9 @@
   reconnects to the slot's owner after a failover or a migration (``shared.cluster_connection``;
   dedicated and pub/sub connections resolve it the same way).
 
-The sync client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
-worker's pipelines then end each round trip with ``WAIT``.
+Every client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
+worker's pipelines then end each round trip with ``WAIT``, and the producer its writes (submits,
+bulk submits, cancels).
 
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
 setting switches all of them (tests/ha checks the full path in sentinel and in cluster mode).
@@ -81,26 +82,29 @@ def redis_client(settings: Settings) -> redis.Redis:
 
 def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
     """An asyncio client with its own connection pool, in the settings' mode."""
+    client: redis.asyncio.Redis
     if settings.redis_mode == "sentinel":
         sentinel = redis.asyncio.sentinel.Sentinel(
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
         )
         kwargs = _primary_kwargs(settings, AsyncPrimaryConnection, AsyncPrimarySSLConnection)
-        return sentinel.master_for(
+        client = sentinel.master_for(
             settings.sentinel_service, redis_class=AsyncSentinelRedis, **kwargs
         )
-    if settings.redis_mode == "cluster":
+    elif settings.redis_mode == "cluster":
         kwargs = _slot_kwargs(
             settings, AsyncSlotOwner, AsyncSlotConnection, AsyncSlotSSLConnection, redis.asyncio
         )
         pool = redis.asyncio.BlockingConnectionPool(
             timeout=settings.redis_socket_timeout_s, **kwargs
         )
-        return redis.asyncio.Redis.from_pool(pool)
-    pool = redis.asyncio.BlockingConnectionPool.from_url(  # at its max: wait, don't fail
-        settings.redis_url, timeout=settings.redis_socket_timeout_s, **settings.redis_options()
-    )
-    return redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
+        client = redis.asyncio.Redis.from_pool(pool)
+    else:
+        pool = redis.asyncio.BlockingConnectionPool.from_url(  # at its max: wait, don't fail
+            settings.redis_url, timeout=settings.redis_socket_timeout_s, **settings.redis_options()
+        )
+        client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
+    return replica_wait.attach(client, _wait(settings))
 
 
 def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:

@@ -14,6 +14,11 @@ connection (``worker/service/outage.py``): it reconnects (in sentinel mode, to t
 sentinels name now) and sends the round trip again there (each part is idempotent for the same
 worker). With one replica, what a worker acknowledged to itself is then what a failover keeps.
 
+The producer's writes the same way (``producer/*_io/driver.py``: effects marked ``confirm`` —
+a submit, a ``submit_many`` round trip, a cancel — end with ``WAIT`` on their connection); a
+submit that raises ``ReplicationLagged`` is sent again with the same request id
+(``client_core``), a cancel raises it to the caller.
+
 Invariant: ``wait_of(client)`` is the requirement the client factory attached to ``client``
 (``shared.redis_connect``); a client built elsewhere has none (0: no WAIT).
 """
@@ -24,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+
+from tokenfleet.shared.scripts import registry
 
 _ATTRIBUTE = "_tokenfleet_replica_wait"
 
@@ -59,3 +66,13 @@ def check(wait: ReplicaWait, reply: Any) -> None:
             f"WAIT {wait.num_replicas} {wait.timeout_ms}: {reply!r} replicas confirmed the "
             "round trip (a failover under way?); reconnecting"
         )
+
+
+def checked(wait: ReplicaWait, script: registry.LuaScript, reply: Any, confirmed: Any) -> list[Any]:
+    """A script's reply from a pipeline that ended with ``WAIT``: raise the script's own error
+    first (nothing to confirm), then ``ReplicationLagged`` if too few replicas confirmed, else
+    the checked reply (``registry.check_reply``)."""
+    if isinstance(reply, BaseException):
+        raise reply
+    check(wait, confirmed)
+    return registry.check_reply(script, reply)

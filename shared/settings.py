@@ -56,8 +56,9 @@ class Settings:
         sentinel_password: password for the sentinels themselves, if they require auth.
         redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
             starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
-            counts as a lost connection and is sent again after reconnecting
-            (``shared.replica_wait``; README, "Redis modes": what a failover may lose).
+            counts as a lost connection and is sent again after reconnecting; a producer's
+            submits and cancels likewise (``shared.replica_wait``; README, "Redis modes": what
+            a failover may lose).
         redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
         routing: ``prefix`` (the default): a producer routes a request to the live worker
             holding its longest cached prefix, or its session's worker (README "Routing");

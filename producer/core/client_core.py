@@ -30,12 +30,14 @@ from tokenfleet.producer.core.effects import (
     Transaction,
 )
 from tokenfleet.producer.core.models import ModelInfo, model_infos
+from tokenfleet.producer.core.outage import OutageClock
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord, as_str
+from tokenfleet.shared.replica_wait import ReplicationLagged
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
@@ -125,9 +127,17 @@ class ClientCore(ABC, Generic[H]):
             raise redis.ConnectionError("the client is closed")
         until = None if timeout is None else time.monotonic() + timeout
         delay, growth, ceiling = ops.BLOCK_POLL
+        lagged = OutageClock(self.settings.redis_retry_s)
         while True:
             route = yield from self._route_targets(prepared.model)
-            code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only, route)))
+            try:
+                code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only, route)))
+            except ReplicationLagged as exc:  # not known to survive a failover: send it again
+                pause = lagged.next_wait(exc, until)  # (the same id: at most once in Redis)
+                if pause is None:
+                    raise
+                yield Sleep(pause)
+                continue
             if code in ("new", "exists"):
                 # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
                 # handle's first read waits for the confirmation and then reads the record and
@@ -177,7 +187,7 @@ class ClientCore(ABC, Generic[H]):
             try_only=try_only,
             route=route,
         )
-        return RunScript(ENQUEUE, k, a)
+        return RunScript(ENQUEUE, k, a, confirm=True)
 
     def _submit_many(
         self, requests: Sequence[str | Mapping[str, Any]]
@@ -206,10 +216,22 @@ class ClientCore(ABC, Generic[H]):
         results: list[H | TokenfleetError] = []
 
         def make_handles() -> None:  # while Redis runs the calls: a handle has no I/O
-            new_handle = self._new_handle
-            results.extend([new_handle(p.request_id, None, p.deadline) for p in prepared])
+            if not results:  # (once: a round trip sent again calls it again)
+                new_handle = self._new_handle
+                results.extend([new_handle(p.request_id, None, p.deadline) for p in prepared])
 
-        replies = yield RunScripts(LazyCalls(len(batches), call), meanwhile=make_handles)
+        lagged = OutageClock(self.settings.redis_retry_s)
+        while True:
+            try:
+                replies = yield RunScripts(
+                    LazyCalls(len(batches), call), meanwhile=make_handles, confirm=True
+                )
+                break
+            except ReplicationLagged as exc:  # every request again (same ids: at most once)
+                pause = lagged.next_wait(exc, None)
+                if pause is None:
+                    raise
+                yield Sleep(pause)
         for ((model, _), indices), reply in zip(batches, replies, strict=True):
             refusals = ops.enqueue_refusals(
                 registry.check_reply(ENQUEUE, reply),
@@ -237,7 +259,7 @@ class ClientCore(ABC, Generic[H]):
     def _cancel(self, request_id: str) -> Plan[bool]:
         record = yield from self._status(request_id)
         k, a = self._withdraw_args(record, TerminalStatus.CANCELLED, CANCELLED_MESSAGE)
-        code = (yield RunScript(CANCEL, k, a))[0]
+        code = (yield RunScript(CANCEL, k, a, confirm=True))[0]
         return code in ("ok", "requested")
 
     def _expire_overdue(self, record: RequestRecord) -> Plan[None]:

@@ -50,6 +50,9 @@ class RunScript:
     script: LuaScript
     keys: Sequence[KeyOrArg]
     args: Sequence[KeyOrArg]
+    # a write the caller is told of: with ``redis_wait_replicas`` set, the driver ends its
+    # round trip with WAIT and raises ``ReplicationLagged`` when too few replicas confirm it
+    confirm: bool = False
 
 
 class LazyCalls(Sequence[RunScript]):
@@ -96,6 +99,7 @@ class RunScripts:
 
     calls: Sequence[RunScript]  # a list, or ``LazyCalls``
     meanwhile: Callable[[], None] | None = None
+    confirm: bool = False  # as ``RunScript.confirm``, for the whole round trip
 
 
 @dataclass(slots=True)

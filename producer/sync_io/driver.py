@@ -26,6 +26,7 @@ from tokenfleet.producer.core.effects import (
     Transaction,
 )
 from tokenfleet.producer.sync_io.subscriber import Subscriber, Subscription
+from tokenfleet.shared import replica_wait
 from tokenfleet.shared.scripts import registry
 
 T = TypeVar("T")
@@ -37,10 +38,11 @@ class SyncDriver:
     Invariant: ``_perform`` has one entry per effect type of ``core.effects``.
     """
 
-    __slots__ = ("_perform", "_redis", "_subscriber")
+    __slots__ = ("_perform", "_redis", "_subscriber", "_wait")
 
     def __init__(self, redis_client: redis.Redis, subscriber: Subscriber) -> None:
         self._redis = redis_client
+        self._wait = replica_wait.wait_of(redis_client)  # confirmed writes (effects' ``confirm``)
         self._subscriber = subscriber
         self._perform: dict[type, Callable[[Any], Any]] = {
             RunScript: self._run_script,
@@ -69,7 +71,14 @@ class SyncDriver:
             return cast(T, stop.value)
 
     def _run_script(self, effect: RunScript) -> list[Any]:
-        return registry.call(self._redis, effect.script, effect.keys, effect.args)
+        wait = self._wait if effect.confirm else None
+        if wait is None:
+            return registry.call(self._redis, effect.script, effect.keys, effect.args)
+        pipe = self._redis.pipeline(transaction=False)  # the script and its WAIT: one connection
+        registry.queue(self._redis, pipe, effect.script, effect.keys, effect.args)
+        pipe.wait(wait.num_replicas, wait.timeout_ms)
+        reply, confirmed = pipe.execute(raise_on_error=False)
+        return replica_wait.checked(wait, effect.script, reply, confirmed)
 
     def _command(self, effect: Command) -> Any:
         return effect.command(self._redis, *effect.args)
@@ -88,7 +97,8 @@ class SyncDriver:
 
     def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
-        replies = self._exchange(effect.calls, effect.meanwhile)
+        wait = self._wait if effect.confirm else None
+        replies = self._exchange(effect.calls, effect.meanwhile, wait)
         retry = script_wire.missing_scripts(replies)
         if retry:  # the server lost its scripts: load them, run those calls again
             for source in {effect.calls[i].script.source for i in retry}:
@@ -100,7 +110,10 @@ class SyncDriver:
         return script_wire.raise_first_error(replies)
 
     def _exchange(
-        self, calls: Sequence[RunScript], meanwhile: Callable[[], None] | None
+        self,
+        calls: Sequence[RunScript],
+        meanwhile: Callable[[], None] | None,
+        wait: replica_wait.ReplicaWait | None = None,
     ) -> list[Any]:
         """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
         then read one reply each (error replies returned in place), retried on a lost
@@ -112,6 +125,8 @@ class SyncDriver:
         def exchange() -> list[Any]:
             for packed in script_wire.packed_calls(conn, calls):
                 conn.send_packed_command(packed, check_health=False)
+            if wait is not None:  # confirmed by replicas, the calls' writes with it
+                conn.send_command("WAIT", wait.num_replicas, wait.timeout_ms)
             while pending:
                 pending.pop()()  # Redis works on the calls meanwhile
             replies: list[Any] = []
@@ -120,6 +135,8 @@ class SyncDriver:
                     replies.append(conn.read_response())
                 except redis.ResponseError as exc:  # an error reply: the stream stays in sync
                     replies.append(exc)
+            if wait is not None:
+                replica_wait.check(wait, conn.read_response())
             return replies
 
         try:

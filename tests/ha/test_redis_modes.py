@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 import pytest
+import redis
 
 from tokenfleet.shared.cluster_connection import (
     AsyncSlotConnection,
@@ -17,6 +19,8 @@ from tokenfleet.shared.cluster_connection import (
     fleet_slot,
 )
 from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.redis_connect import async_redis_client, redis_client
 from tokenfleet.shared.redis_flags import add_redis_flags, redis_env, settings_from_flags
 from tokenfleet.shared.sentinel_connection import PrimaryConnection, PrimarySSLConnection
@@ -201,3 +205,41 @@ def test_a_round_trip_no_replica_confirms_counts_as_a_lost_connection(redis_url:
     finally:
         plain.close()
         waiting.close()
+
+
+def test_a_producer_write_no_replica_confirms_is_not_acknowledged(
+    redis_url: str, r: redis.Redis
+) -> None:
+    """``redis_wait_replicas``: a submit, a bulk submit and a cancel end with ``WAIT``; with no
+    replica to confirm (the private server has none) a submit is sent again (the same id, at most
+    once in Redis) until ``redis_retry_s``, then fails; the caller is never told it stands."""
+    from tokenfleet.producer import Client
+    from tokenfleet.shared.errors import RedisUnavailable
+    from tokenfleet.shared.replica_wait import ReplicationLagged
+
+    base = Settings(redis_url=redis_url, key_prefix="rw", routing="off")
+    lagging = dataclasses.replace(base, redis_wait_replicas=1, redis_wait_ms=20, redis_retry_s=1)
+    with Client.from_url(settings=base) as plain:
+        kept = plain.submit("queued, never served", request_id="kept")  # unconfirmed: fine
+        with Client.from_url(settings=lagging) as client:
+            with pytest.raises(RedisUnavailable, match="replicas confirmed"):
+                client.submit("a request", request_id="sub-1")
+            assert r.xlen(Keys("rw").stream("default", Priority.NORMAL)) == 2  # once, not per try
+            with pytest.raises(RedisUnavailable, match="replicas confirmed"):
+                client.submit_many(["a", "b"])
+            with pytest.raises(ReplicationLagged):
+                client.cancel(kept.request_id)
+            assert client.status("sub-1").status == "queued"  # written, just not confirmed
+
+    async def the_same_from_asyncio() -> None:
+        from tokenfleet.producer import AsyncClient
+
+        async with AsyncClient.from_url(settings=lagging) as aclient:
+            with pytest.raises(RedisUnavailable, match="replicas confirmed"):
+                await aclient.submit("a request", request_id="sub-2")
+            with pytest.raises(RedisUnavailable, match="replicas confirmed"):
+                await aclient.submit_many(["c"])
+            with pytest.raises(ReplicationLagged):
+                await aclient.cancel("sub-2")
+
+    asyncio.run(the_same_from_asyncio())

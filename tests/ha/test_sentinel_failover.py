@@ -4,14 +4,19 @@ every client stream (live pub/sub, gap-filled from the durable token record acro
 must be gap-free and duplicate-free, and once the old primary is the new one's replica, the new
 primary must hold every record done with the very text the client saw. The counts are printed.
 
-The workers run with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1`` (``shared.replica_wait``): without it,
-the writes the old primary acknowledged between the promotion and its own demotion are discarded
-(tried while writing this test: most records were left ``running`` on the new primary, their
-streams already ended on the old one)."""
+The workers and the producer run with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1``
+(``shared.replica_wait``): without it, the writes the old primary acknowledged between the
+promotion and its own demotion are discarded (tried while writing this test: most records were
+left ``running`` on the new primary, their streams already ended on the old one). A second
+producer thread keeps submitting through the switch (a submit that fails on the switch is sent
+again with the same request id, as a caller would): every submit it was told stands must be on
+the new primary and end ``done``."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +36,7 @@ pytestmark = pytest.mark.slow
 PREFIX = "hafo"
 NUM_REQUESTS = 16
 MAX_TOKENS = 160
+LATE_TOKENS = 12  # the requests submitted through the switch
 FLAGS = ("--max-num-seqs", "4")
 
 
@@ -57,9 +63,30 @@ def workers(
 def test_a_failover_mid_run_loses_no_request_and_no_token(
     sentinel_setup: LocalSentinel, workers: list[HAWorker]
 ) -> None:
-    settings = ha_settings(sentinel_setup, PREFIX)
+    settings = dataclasses.replace(
+        ha_settings(sentinel_setup, PREFIX), redis_wait_replicas=1, redis_wait_ms=200
+    )
     streams: dict[str, list[Any]] = {}
     errors: list[BaseException] = []
+    late: list[Any] = []  # handles of the submits made through the switch
+    switched = threading.Event()
+
+    def submit_through(client: Client) -> None:
+        """Submit one request every 50 ms until 5 after the switch, each until it stands."""
+        after = 0
+        while after < 5:
+            rid = f"late-{len(late)}"
+            deadline = time.monotonic() + DEADLINE_S
+            while True:
+                try:
+                    late.append(client.submit(rid, request_id=rid, max_tokens=LATE_TOKENS))
+                    break
+                except redis.ConnectionError:  # the switch: the same request again
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            after += switched.is_set()
+            time.sleep(0.05)
 
     def follow(handle: Any) -> None:
         try:
@@ -93,10 +120,16 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         ]
         in_flight = sum(1 for x in before if x is None or x.status != "done")
         assert in_flight, "the run ended before the failover: no load to ride out"
+        submitter = threading.Thread(target=submit_through, args=(client,))
+        submitter.start()
         new = sentinel_setup.failover()
+        switched.set()
+        submitter.join(DEADLINE_S)
         for t in threads:
             t.join(DEADLINE_S)
         assert not errors, errors
+        late_done = [h.result(timeout=DEADLINE_S) for h in late]
+        assert all(len(x.token_ids) == LATE_TOKENS for x in late_done)
         ended = {
             rid: [e for e in events if isinstance(e, TerminalEvent)]
             for rid, events in streams.items()
@@ -112,7 +145,8 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         f"failover {old} -> {new} with {in_flight} requests not done when asked: "
         f"{len(streams)}/{NUM_REQUESTS} requests ended once "
         f"({statuses.count('done')} done), {gap_free} streams gap-free and duplicate-free, "
-        f"{gap_free * MAX_TOKENS} tokens"
+        f"{gap_free * MAX_TOKENS} tokens; {len(late)} requests submitted through the switch, "
+        f"all done"
     )
     assert statuses == ["done"] * NUM_REQUESTS
     # what the new primary holds once the old one is its replica: the durable record of each
@@ -124,3 +158,6 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
             assert direct.llen(keys.tokens(h.request_id)) == MAX_TOKENS, h.request_id
             seen = "".join(e.text for e in streams[h.request_id] if isinstance(e, TokenEvent))
             assert rec.text == seen, f"{h.request_id}: the record kept other tokens than were sent"
+        for h in late:  # every submit the producer was told stands
+            rec = RequestRecord.from_hash(h.request_id, direct.hgetall(keys.record(h.request_id)))
+            assert rec is not None and rec.status == "done", (h.request_id, rec)
