@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import httpx
 import orjson
 import pytest
 import redis
+from readme_acl import readme_acl_commands
 from worker_helpers import WorkerProc, make_intake, wait_for
 
 from tokenfleet.producer import Client
@@ -27,24 +27,7 @@ from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.intake.reader import IntakeReader
 
 PREFIX = "tfacl"
-README = Path(__file__).resolve().parents[2] / "README.md"
 USERS = ("tf-producer", "tf-gateway", "tf-worker", "tf-admin")
-
-
-def readme_acl_commands(prefix: str, passwords: dict[str, str]) -> list[list[str]]:
-    """The README's ``ACL SETUSER`` commands for ``prefix``, with the given passwords."""
-    block = README.read_text().split("<!-- acl-roles:", 1)[1]
-    block = block.split("```sh\n", 1)[1].split("```", 1)[0]
-    out = []
-    for line in block.replace("\\\n", " ").splitlines():
-        if not line.strip():
-            continue
-        argv = shlex.split(line)
-        assert argv[:3] == ["redis-cli", "ACL", "SETUSER"], line
-        user = argv[3]
-        argv = [a.replace("tokenfleet:", f"{prefix}:") for a in argv[1:]]
-        out.append([f">{passwords[user]}" if a.startswith(">") else a for a in argv])
-    return out
 
 
 def user_url(server_url: str, user: str, password: str) -> str:
