@@ -1,5 +1,6 @@
 """A Sentinel failover under load: two real workers and a producer run streaming requests;
-mid-run the sentinels fail the primary over to the replica. Every request must end exactly once,
+mid-run the primary goes, by ``SENTINEL FAILOVER`` or by SIGKILL (the sentinels then promote the
+replica on their own, and the killed node comes back empty as its replica). Every request must end exactly once,
 every client stream (live pub/sub, gap-filled from the durable token record across the switch)
 must be gap-free and duplicate-free, and once the old primary is the new one's replica, the new
 primary must hold every record done with the very text the client saw. The counts are printed.
@@ -40,10 +41,22 @@ LATE_TOKENS = 12  # the requests submitted through the switch
 FLAGS = ("--max-num-seqs", "4")
 
 
+@pytest.fixture(params=["sentinel_failover", "primary_killed"])
+def setup(request: pytest.FixtureRequest) -> Iterator[LocalSentinel]:
+    """How the primary goes: ``SENTINEL FAILOVER`` (the session's setup), or SIGKILLed (a setup
+    of its own: the sentinels promote the replica after ``down_after_ms``; the killed node
+    comes back empty and rejoins as the new primary's replica, and until then no ``WAIT`` is
+    confirmed: the fleet waits as in an outage)."""
+    if request.param == "sentinel_failover":
+        yield request.getfixturevalue("sentinel_setup")
+        return
+    with LocalSentinel(service="tfcrash") as own:
+        yield own
+
+
 @pytest.fixture
-def workers(
-    sentinel_setup: LocalSentinel, tiny_llama_dir: Path, tmp_path: Path
-) -> Iterator[list[HAWorker]]:
+def workers(setup: LocalSentinel, tiny_llama_dir: Path, tmp_path: Path) -> Iterator[list[HAWorker]]:
+    sentinel_setup = setup
     settings = ha_settings(sentinel_setup, PREFIX)
     wait = {"TOKENFLEET_REDIS_WAIT_REPLICAS": "1", "TOKENFLEET_REDIS_WAIT_MS": "200"}
     ws = [
@@ -61,8 +74,10 @@ def workers(
 
 
 def test_a_failover_mid_run_loses_no_request_and_no_token(
-    sentinel_setup: LocalSentinel, workers: list[HAWorker]
+    setup: LocalSentinel, workers: list[HAWorker], request: pytest.FixtureRequest
 ) -> None:
+    sentinel_setup = setup
+    how = request.node.callspec.params["setup"]
     settings = dataclasses.replace(
         ha_settings(sentinel_setup, PREFIX), redis_wait_replicas=1, redis_wait_ms=200
     )
@@ -79,7 +94,9 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
             deadline = time.monotonic() + DEADLINE_S
             while True:
                 try:
-                    late.append(client.submit(rid, request_id=rid, max_tokens=LATE_TOKENS))
+                    late.append(
+                        client.submit(rid, request_id=rid, max_tokens=LATE_TOKENS, ignore_eos=True)
+                    )
                     break
                 except redis.ConnectionError:  # the switch: the same request again
                     if time.monotonic() > deadline:
@@ -122,14 +139,14 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         assert in_flight, "the run ended before the failover: no load to ride out"
         submitter = threading.Thread(target=submit_through, args=(client,))
         submitter.start()
-        new = sentinel_setup.failover()
+        new = sentinel_setup.failover() if how == "sentinel_failover" else setup.crash_primary()
         switched.set()
         submitter.join(DEADLINE_S)
         for t in threads:
             t.join(DEADLINE_S)
         assert not errors, errors
         late_done = [h.result(timeout=DEADLINE_S) for h in late]
-        assert all(len(x.token_ids) == LATE_TOKENS for x in late_done)
+        assert [len(x.token_ids) for x in late_done] == [LATE_TOKENS] * len(late)
         ended = {
             rid: [e for e in events if isinstance(e, TerminalEvent)]
             for rid, events in streams.items()
@@ -142,7 +159,7 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         assert len(ended[rid]) == 1 and events[-1] is ended[rid][0]
         gap_free += 1
     print(
-        f"failover {old} -> {new} with {in_flight} requests not done when asked: "
+        f"{how}: {old} -> {new} with {in_flight} requests not done when asked: "
         f"{len(streams)}/{NUM_REQUESTS} requests ended once "
         f"({statuses.count('done')} done), {gap_free} streams gap-free and duplicate-free, "
         f"{gap_free * MAX_TOKENS} tokens; {len(late)} requests submitted through the switch, "

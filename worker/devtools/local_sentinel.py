@@ -121,6 +121,34 @@ class LocalSentinel:
         self._wait(switched, "the failover", timeout_s)
         return self.primary_port()
 
+    def crash_primary(self, timeout_s: float = 60.0) -> int:
+        """SIGKILL the primary, wait until every sentinel names the promoted replica and it
+        accepts writes, then start the killed node again (empty: no persistence) and wait until
+        the sentinels have made it the new primary's replica, its link up; returns the new
+        primary's port. Until then the new primary has no replica (what ``WAIT`` waits for)."""
+        old = self.primary_port()
+        self.kill(old)
+
+        def promoted() -> bool:
+            ports = {self._master_port(p) for p in self.sentinel_ports}
+            new = ports.pop() if len(ports) == 1 else None
+            return new is not None and new != old and self._role(new) == "master"
+
+        self._wait(promoted, "the sentinels to promote the replica", timeout_s)
+        new = self.primary_port()
+        self._spawn(old, self._data_args(old))
+
+        def rejoined() -> bool:
+            info = self._info(old, "replication")
+            return (
+                info.get("role") == "slave"
+                and info.get("master_port") == new
+                and (info.get("master_link_status") == "up")
+            )
+
+        self._wait(rejoined, "the killed node to rejoin as a replica", timeout_s)
+        return new
+
     def kill(self, port: int) -> None:
         """SIGKILL one process (a data node or a sentinel)."""
         proc = self.procs[port]
@@ -149,7 +177,7 @@ class LocalSentinel:
     # -- internals ------------------------------------------------------------------------------
     def _data_args(self, port: int) -> list[str]:
         node_dir = self.dir / f"node-{port}"
-        node_dir.mkdir()
+        node_dir.mkdir(exist_ok=True)  # (a restarted node: its folder is there)
         return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(node_dir)]  # fmt: skip
 
