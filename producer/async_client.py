@@ -114,6 +114,12 @@ class AsyncClient(ClientCore[AsyncHandle]):
             metadata=metadata,
         )
 
+    def batch(self, batch_id: str) -> Any:
+        """See ``Client.batch``; returns an ``AsyncBatchHandle`` on this client's connection."""
+        from tokenfleet.producer.gateway.batches.handle import AsyncBatchHandle  # gateway extra
+
+        return AsyncBatchHandle(self, self._redis, batch_id)
+
     # -- following requests ---------------------------------------------------------------------
     async def stream(self, request_id: str, from_index: int = 0) -> AsyncIterator[Event]:
         """Events of an existing request from ``from_index`` on."""

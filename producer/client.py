@@ -141,6 +141,14 @@ class Client(ClientCore[Handle]):
             metadata=metadata,
         )
 
+    def batch(self, batch_id: str) -> Any:
+        """A ``BatchHandle`` on an existing batch (made here, by the CLI or through a gateway's
+        ``/v1/batches``): ``status()``, ``wait()``, ``results()``, ``errors()``, ``cancel()``.
+        Nothing is read until a method is called."""
+        from tokenfleet.producer.gateway.batches.handle import BatchHandle  # gateway extra
+
+        return BatchHandle(self.settings, batch_id)
+
     # -- following requests ---------------------------------------------------------------------
     def stream(self, request_id: str, from_index: int = 0) -> Iterator[Event]:
         """Events of an existing request from ``from_index`` on (reconnecting readers)."""

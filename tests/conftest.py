@@ -106,3 +106,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = set(getattr(item, "fixturenames", ()))
         if names & REAL_FIXTURES and "any_redis" not in names:
             item.add_marker(pytest.mark.real)
+
+
+COUNTS_TAG = "[counts] "  # a line a test prints with this tag shows in the run's summary
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Show what passing tests counted (failover and crash tests print how many requests ended,
+    gap-free, ...): their captured lines tagged ``[counts]``, under the test's name."""
+    shown: list[str] = []
+    for report in terminalreporter.stats.get("passed", []):
+        for title, text in getattr(report, "sections", []):
+            if "stdout" in title:
+                shown += [
+                    f"{report.nodeid}: {line[len(COUNTS_TAG) :]}"
+                    for line in text.splitlines()
+                    if line.startswith(COUNTS_TAG)
+                ]
+    if shown:
+        terminalreporter.write_sep("-", "counts reported by tests")
+        for line in shown:
+            terminalreporter.write_line(line)

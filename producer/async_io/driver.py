@@ -2,7 +2,9 @@
 
 The asyncio twin of ``sync_io/driver.py``, effect for effect: no decision of its own; replies
 are sent back into the plan, exceptions thrown in at its ``yield`` (cancellation is not: it
-propagates, as from any await).
+propagates, as from any await). A cancel that an await lost on its way in (see
+``shared.cancellation``) is raised at the next effect: a plan that retries forever (``_pull``
+through an outage) still ends when its task is cancelled.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tokenfleet.producer.core.effects import (
     Transaction,
 )
 from tokenfleet.shared import replica_wait
+from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.scripts import registry
 
 T = TypeVar("T")
@@ -62,9 +65,11 @@ class AsyncDriver:
         try:
             effect = next(plan)
             while True:
+                cancel_checkpoint()
                 try:
                     reply = await perform[type(effect)](effect)
                 except Exception as exc:  # the plan decides: it may catch it at its yield
+                    raise_if_cancelling(exc)
                     effect = plan.throw(exc)
                 else:
                     effect = plan.send(reply)

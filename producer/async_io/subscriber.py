@@ -22,6 +22,7 @@ from tokenfleet.producer.core.subscriptions import (
     SubscriptionTable,
     not_confirmed,
 )
+from tokenfleet.shared.cancellation import cancel_checkpoint
 
 log = logging.getLogger(__name__)
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -161,6 +162,7 @@ class AsyncSubscriber:
     async def _run(self) -> None:
         backoff = Backoff()
         while not self._closed:
+            cancel_checkpoint()
             conn = self._conn
             if conn is None or self._broken:
                 if await self._reconnect():

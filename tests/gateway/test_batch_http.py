@@ -143,13 +143,16 @@ def test_a_gateway_killed_mid_batch_loses_nothing(
 
 
 def test_the_same_from_python_and_the_cli(
-    bfleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    bfleet: Fleet,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     settings = Settings(redis_url=bfleet.redis_url, key_prefix=bfleet.prefix)
     with Client.from_url(settings=settings) as client:
         handle = client.submit_batch([chat_line(i) for i in range(6)])
         seen: list[int] = []
-        batch = handle.wait(progress=lambda b: seen.append(b.completed))
+        batch = handle.wait(progress=lambda b: seen.append(b.completed), timeout=120)
         assert batch.status == "completed" and batch.completed == 6
         assert seen == sorted(seen) and seen[-1] == 6
         assert sorted(r["custom_id"] for r in handle.results()) == [f"c-{i}" for i in range(6)]
@@ -166,6 +169,29 @@ def test_the_same_from_python_and_the_cli(
     assert finished["request_counts"] == {"total": 5, "completed": 5, "failed": 0}
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["custom_id"] for r in rows) == [f"c-{i}" for i in range(5)]
+    # status, results, list and cancel of the Python batch, from the CLI
+    capsys.readouterr()
+    bid = handle.batch_id
+    assert main(["batch", "status", bid, "--json", *cli]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["id"] == bid and shown["status"] == "completed"
+    assert shown["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert main(["batch", "results", bid, *cli]) == 0
+    printed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert sorted(r["custom_id"] for r in printed) == [f"c-{i}" for i in range(6)]
+    assert main(["batch", "results", bid, "--errors", *cli]) == 0
+    assert capsys.readouterr().out == ""
+    assert main(["batch", "list", "--limit", "50", *cli]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"{bid}  completed   6/6 done, 0 failed") for line in listed)
+    with Client.from_url(settings=settings) as client:  # a batch nobody drives yet
+        later = client.submit_batch([chat_line(i, max_tokens=64) for i in range(3)]).batch_id
+    assert main(["batch", "cancel", later, "--json", *cli]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "cancelling"
+    with Client.from_url(settings=settings) as client:
+        cancelled = client.batch(later).wait(timeout=120)
+    assert cancelled.status == "cancelled"
+    assert cancelled.completed + cancelled.failed == 3
 
 
 def test_an_oversized_upload_is_413_and_stores_nothing(bfleet: Fleet) -> None:

@@ -28,8 +28,10 @@ from gateway_helpers import Worker
 
 from tokenfleet.producer.gateway.batches import BatchRunner, BatchStore
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
+from tokenfleet.producer.gateway.batches.handle import AsyncBatchHandle
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -177,6 +179,14 @@ def test_cancel_mid_batch(bsettings: Settings) -> None:
         assert "batch_cancelled" in codes and codes <= {"batch_cancelled", "cancelled"}
         # a cancelled batch stays cancelled: cancelling it again changes nothing
         assert (await env.batches.cancel(b.id)).status == "cancelled"
+        # the lines it had fed are over in the fleet too: cancelled or done, none left running
+        keys = env.batches._keys
+        fed = [f"{b.id}-{i}" for i in range(b.next_line)]
+        assert fed, "the batch fed no line before its cancel"
+        statuses = [
+            RequestRecord.from_hash(rid, await env.r.hgetall(keys.record(rid))) for rid in fed
+        ]
+        assert all(rec is not None and rec.status.is_terminal for rec in statuses), statuses
 
     with_env(bsettings, body)
 
@@ -366,5 +376,58 @@ def test_a_cancelled_runner_stops_even_when_its_cancel_is_lost_in_redis_py(
         task.cancel()
         done, _ = await asyncio.wait({task}, timeout=10)
         assert task in done and task.cancelled()  # it stopped, as a cancelled task
+
+    with_env(bsettings, body)
+
+
+def test_a_line_naming_a_model_the_fleet_does_not_serve_goes_to_the_error_file(
+    bsettings: Settings,
+) -> None:
+    """The fleet (one live worker, model ``default``) refuses ``no-such-model`` for good: those
+    lines are error lines ``model_not_found`` and the rest of the batch runs to completion."""
+    lines = [chat_line(i, max_tokens=2) for i in range(6)]
+    for i in (1, 4):
+        lines[i]["body"]["model"] = "no-such-model"
+
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, lines)
+
+        async def wait() -> None:
+            nonlocal b
+            b = await wait_batch(env, b.id, final)
+
+        await _with_runner(env, wait())
+        assert b.status == "completed" and (b.completed, b.failed) == (4, 2)
+        _, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
+        assert sorted(e["custom_id"] for e in err) == ["req-1", "req-4"]
+        assert {e["error"]["code"] for e in err} == {"model_not_found"}
+        assert all("no-such-model" in e["error"]["message"] for e in err)
+
+    with_env(bsettings, body)
+
+
+def test_wait_drives_its_own_batch_and_no_other(bsettings: Settings) -> None:
+    async def body(env: Env) -> None:
+        mine = await upload_and_create(env, [chat_line(i, max_tokens=2) for i in range(4)])
+        other = await upload_and_create(env, [chat_line(i, max_tokens=2) for i in range(4)])
+        done = await AsyncBatchHandle(env.client, env.r, mine.id).wait(poll_s=0.05, timeout=120)
+        assert done.status == "completed" and done.completed == 4
+        left = await env.batches.get(other.id)
+        assert left.status == "in_progress" and left.next_line == 0 and left.completed == 0
+        assert not await env.r.exists(env.batches._keys.batch_lease(other.id))
+        # then it runs when its own handle waits
+        ran = await AsyncBatchHandle(env.client, env.r, other.id).wait(poll_s=0.05, timeout=120)
+        assert ran.status == "completed" and ran.completed == 4
+
+    with_env(bsettings, body)
+
+
+def test_wait_with_a_timeout_says_where_the_batch_is(bsettings: Settings) -> None:
+    async def body(env: Env) -> None:
+        b = await upload_and_create(env, [chat_line(i, max_tokens=2) for i in range(3)])
+        handle = AsyncBatchHandle(env.client, env.r, b.id)
+        with pytest.raises(TimeoutError, match=rf"{b.id} is not final after 0.2 s: in_progress"):
+            await handle.wait(drive=False, poll_s=0.05, timeout=0.2)
+        assert (await handle.wait(poll_s=0.05, timeout=120)).status == "completed"
 
     with_env(bsettings, body)

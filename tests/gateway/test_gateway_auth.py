@@ -1,9 +1,11 @@
 """API keys at the gateway, as a client meets them: 401 for a missing, unknown or revoked key;
 429 with Retry-After and ``x-ratelimit-*`` headers past a key's RPM; 403 above its priority
-ceiling; and one key never sees, resumes or cancels another key's request (404)."""
+ceiling; and one key never sees, resumes or cancels another key's request (404), file or
+batch."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import httpx
 import openai
 import pytest
 import redis
+from batch_http_helpers import chat_line, jsonl
 from gateway_helpers import Fleet, module_fleet, wait_for
 
 from tokenfleet.producer.gateway.auth import ApiKeyAdmin
@@ -140,3 +143,43 @@ def test_keys_are_isolated_from_each_other(keyed: Fleet) -> None:
         "alice's request to finish untouched",
     )
     assert final["num_tokens"] == 300
+
+
+def test_files_and_batches_belong_to_their_key_and_list_in_pages(keyed: Fleet) -> None:
+    """Through the openai SDK: bob sees none of alice's files or batches (404 on every route,
+    absent from his list); alice pages through her own batches with ``after``."""
+    alice, _ = admin(keyed).create("alice-batches")
+    bob, _ = admin(keyed).create("bob-batches")
+    sdk_a = openai.OpenAI(base_url=keyed.base_url, api_key=alice, max_retries=0)
+    sdk_b = openai.OpenAI(base_url=keyed.base_url, api_key=bob, max_retries=0)
+    upload = sdk_a.files.create(
+        file=("in.jsonl", io.BytesIO(jsonl([chat_line(i, max_tokens=2) for i in range(2)]))),
+        purpose="batch",
+    )
+    made = [
+        sdk_a.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+        for _ in range(3)
+    ]
+    for call in (
+        lambda: sdk_b.files.retrieve(upload.id),
+        lambda: sdk_b.files.content(upload.id),
+        lambda: sdk_b.files.delete(upload.id),
+        lambda: sdk_b.batches.retrieve(made[0]),
+        lambda: sdk_b.batches.cancel(made[0]),
+        lambda: sdk_b.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert not set(made) & {b.id for b in sdk_b.batches.list(limit=100)}
+    first = sdk_a.batches.list(limit=2)
+    assert [b.id for b in first.data] == made[::-1][:2] and first.has_more
+    rest = sdk_a.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in rest.data] == made[:1] and not rest.has_more
+    paged = [b.id for b in sdk_a.batches.list(limit=2)]  # the SDK follows ``after`` itself
+    assert paged == made[::-1]
+    for bid in made:
+        sdk_a.batches.cancel(bid)

@@ -164,7 +164,10 @@ def check_crash_recovery(fleet: Any) -> None:
         rec = fleet.record(rid)
         assert rec is not None and rec.status == "done" and rec.attempts == 2
         assert f"resumed {rid} at index" in survivor.output()
-        print(f"crash recovery: {victim.name} killed, {survivor.name} resumed, 150 tokens once")
+        print(
+            f"[counts] crash recovery: {victim.name} killed, {survivor.name} resumed, "
+            "150 tokens once"
+        )
 
 
 def check_cancel(fleet: Any) -> None:

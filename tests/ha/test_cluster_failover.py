@@ -144,7 +144,7 @@ def run_through(cluster: LocalCluster, prefix: str, event: Callable[[int], str])
         assert len(ends) == 1 and events[-1] is ends[0], rid
         gap_free += 1
     print(
-        f"{what} with {in_flight} requests not done when it began: "
+        f"[counts] {what} with {in_flight} requests not done when it began: "
         f"{len(streams)}/{NUM_REQUESTS} requests ended once ({statuses.count('done')} done), "
         f"{gap_free} streams gap-free and duplicate-free, {gap_free * MAX_TOKENS} tokens"
     )

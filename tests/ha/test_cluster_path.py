@@ -103,7 +103,10 @@ def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
     for port in others:
         with redis.Redis(port=port) as other:
             assert not list(other.scan_iter(match="{hacl}:*")), f"a fleet key landed on {port}"
-    print(f"slot {fleet.slot} on {owner}: {len(ours)} keys; the {len(others)} other primaries none")
+    print(
+        f"[counts] slot {fleet.slot} on {owner}: {len(ours)} keys; "
+        f"the {len(others)} other primaries none"
+    )
 
 
 def test_cancel_on_the_cluster(fleet: Fleet) -> None:
@@ -128,7 +131,7 @@ def test_status_json_reports_the_lag_keda_reads(
         group = next(
             g for g in fleet.r.xinfo_groups(stream) if g["name"] in (b"workers", "workers")
         )
-        print(f"batch queue: waiting={batch['waiting']} lag={batch['lag']} "
+        print(f"[counts] batch queue: waiting={batch['waiting']} lag={batch['lag']} "
               f"pending={batch['pending']} XINFO lag={group['lag']}")  # fmt: skip
         assert (batch["stream"], batch["consumer_group"]) == (stream, "workers")
         assert batch["lag"] == group["lag"] == batch["waiting"] == len(rids)

@@ -1,9 +1,10 @@
 """A Sentinel failover under load: two real workers and a producer run streaming requests;
 mid-run the primary goes, by ``SENTINEL FAILOVER`` or by SIGKILL (the sentinels then promote the
-replica on their own, and the killed node comes back empty as its replica). Every request must end exactly once,
-every client stream (live pub/sub, gap-filled from the durable token record across the switch)
-must be gap-free and duplicate-free, and once the old primary is the new one's replica, the new
-primary must hold every record done with the very text the client saw. The counts are printed.
+replica on their own, and the killed node comes back empty as its replica). Every request must
+end exactly once, every client stream (live pub/sub, gap-filled from the durable token record
+across the switch) must be gap-free and duplicate-free, and once the old primary is the new
+one's replica, the new primary must hold every record done with the very text the client saw.
+The counts are printed.
 
 The workers and the producer run with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1``
 (``shared.replica_wait``): without it, the writes the old primary acknowledged between the
@@ -159,7 +160,7 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         assert len(ended[rid]) == 1 and events[-1] is ended[rid][0]
         gap_free += 1
     print(
-        f"{how}: {old} -> {new} with {in_flight} requests not done when asked: "
+        f"[counts] {how}: {old} -> {new} with {in_flight} requests not done when asked: "
         f"{len(streams)}/{NUM_REQUESTS} requests ended once "
         f"({statuses.count('done')} done), {gap_free} streams gap-free and duplicate-free, "
         f"{gap_free * MAX_TOKENS} tokens; {len(late)} requests submitted through the switch, "

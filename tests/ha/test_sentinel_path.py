@@ -114,7 +114,7 @@ def test_status_json_reports_the_lag_keda_reads(
         group = next(
             g for g in fleet.r.xinfo_groups(stream) if g["name"] in (b"workers", "workers")
         )
-        print(f"batch queue: waiting={batch['waiting']} lag={batch['lag']} "
+        print(f"[counts] batch queue: waiting={batch['waiting']} lag={batch['lag']} "
               f"pending={batch['pending']} XINFO lag={group['lag']}")  # fmt: skip
         assert (batch["stream"], batch["consumer_group"]) == (stream, "workers")
         assert batch["lag"] == group["lag"] == batch["waiting"] == len(rids)

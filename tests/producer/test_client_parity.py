@@ -58,7 +58,7 @@ CLIENTS = FacePair(
     Client,
     AsyncClient,
     {"close": "aclose", "__enter__": "__aenter__", "__exit__": "__aexit__"},
-    frozenset({"from_url", "handle"}),
+    frozenset({"from_url", "handle", "batch"}),
 )
 HANDLES = FacePair(
     Handle,

@@ -52,7 +52,7 @@ from tokenfleet.producer.gateway.batches.objects import (
 from tokenfleet.producer.gateway.batches.scripts import ADVANCE, LEASE, RECORD
 from tokenfleet.producer.gateway.responses import Framing, failure
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
-from tokenfleet.shared.errors import ModelNotServed, Overloaded, TokenfleetError, UnknownRequest
+from tokenfleet.shared.errors import Overloaded, TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
@@ -194,7 +194,7 @@ class BatchDriver:
                 waiting, bound = q.waiting, q.max_waiting
         if bound and waiting > bound * 3 // 4:
             self.window = max(1, self.window // 2)
-        elif waiting < self.window // 2 and (not bound or waiting < bound // 2):
+        elif 2 * waiting < self.window and (not bound or waiting < bound // 2):  # W=1 grows too
             self.window = min(self.cfg.window, self.window * 2)
 
     async def _feed(self, done: set[int]) -> None:
@@ -222,7 +222,7 @@ class BatchDriver:
                     continue
                 try:
                     await self._start(i, raw)
-                except (Overloaded, ModelNotServed, redis.RedisError) as exc:
+                except (Overloaded, redis.RedisError) as exc:
                     log.info("batch %s line %d: not submitted now (%s)", self.bid, i, exc)
                     await self._advance(i)
                     self.refusals += isinstance(exc, Overloaded)
@@ -238,7 +238,9 @@ class BatchDriver:
 
     async def _start(self, i: int, raw: bytes | str | None) -> None:
         """Submit line ``i`` (again) and follow it. Raises what the submit raises when the
-        fleet cannot take it now (the line is tried again later)."""
+        fleet cannot take it now (a full queue, Redis down: the line is tried again later); a
+        refusal for good (``model_not_found``: a model the fleet neither serves nor declares; a
+        conflict) is the line's error line."""
         text = as_str(raw) or ""
         try:
             line = L.parse_line(text, self.batch.endpoint, max_bytes=1 << 62)
@@ -246,19 +248,18 @@ class BatchDriver:
         except L.LineError as exc:  # validated at creation: only a deleted file gets here
             await self._record(i, "err", L.error_line(self.bid, i, None, exc.code, exc.message))
             return
-        self.model = sub.model
         rid = L.request_id(self.bid, i)
         try:
             handle = await self.cfg.client.try_submit(
                 model=sub.model, priority=Priority.BATCH, request_id=rid, **sub.params
             )
-        except (Overloaded, ModelNotServed, redis.RedisError):
+        except (Overloaded, redis.RedisError):
             raise
         except TokenfleetError as exc:  # refused for good (conflict, invalid): an error line
-            await self._record(
-                i, "err", L.error_line(self.bid, i, line.custom_id, exc.code, str(exc))
-            )
+            line_err = L.error_line(self.bid, i, line.custom_id, exc.code, str(exc))
+            await self._record(i, "err", line_err)
             return
+        self.model = sub.model  # a model the fleet takes: W adapts to its batch queue
         framing = Framing(rid, self.kind, sub.model, int(time.time()))
         task = asyncio.get_running_loop().create_task(
             self._follow(i, line.custom_id, framing, handle)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,12 +62,27 @@ class AsyncBatchHandle:
         return await self._batches.cancel(self.batch_id)
 
     async def wait(
-        self, *, progress: Progress | None = None, poll_s: float = 0.5, drive: bool = True
+        self,
+        *,
+        progress: Progress | None = None,
+        poll_s: float = 0.5,
+        drive: bool = True,
+        timeout: float | None = None,
     ) -> BatchObject:
         """Until the batch is final, calling ``progress`` with each new state; with ``drive``
-        (default) a runner in this process feeds its lines meanwhile."""
-        runner = BatchRunner(self._client, self._redis, self._client.settings) if drive else None
+        (default) a runner in this process feeds this batch's lines meanwhile (other batches
+        are left to their own runners). ``timeout`` (seconds): raise ``TimeoutError`` with the
+        batch's state if it is not final by then (the batch goes on). If the runner dies, its
+        error is raised."""
+        runner = (
+            BatchRunner(
+                self._client, self._redis, self._client.settings, only=frozenset({self.batch_id})
+            )
+            if drive
+            else None
+        )
         task = asyncio.get_running_loop().create_task(runner.run()) if runner else None
+        until = None if timeout is None else time.monotonic() + timeout
         try:
             last: tuple[str, int, int] | None = None
             while True:
@@ -78,6 +94,14 @@ class AsyncBatchHandle:
                 last = now
                 if batch.final:
                     return batch
+                if task is not None and task.done():  # run() only ends by raising
+                    task.result()
+                    raise RuntimeError(f"the runner of batch {self.batch_id} stopped")
+                if until is not None and time.monotonic() >= until:
+                    raise TimeoutError(
+                        f"batch {self.batch_id} is not final after {timeout} s: {batch.status}, "
+                        f"{batch.completed} completed and {batch.failed} failed of {batch.total}"
+                    )
                 await asyncio.sleep(poll_s)
         finally:
             if task is not None:
@@ -150,10 +174,17 @@ class BatchHandle:
         return self._run(lambda h: h.cancel())
 
     def wait(
-        self, *, progress: Progress | None = None, poll_s: float = 0.5, drive: bool = True
+        self,
+        *,
+        progress: Progress | None = None,
+        poll_s: float = 0.5,
+        drive: bool = True,
+        timeout: float | None = None,
     ) -> BatchObject:
         """See ``AsyncBatchHandle.wait``."""
-        return self._run(lambda h: h.wait(progress=progress, poll_s=poll_s, drive=drive))
+        return self._run(
+            lambda h: h.wait(progress=progress, poll_s=poll_s, drive=drive, timeout=timeout)
+        )
 
     def results(self) -> list[dict[str, Any]]:
         """See ``AsyncBatchHandle.results``."""

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 
 import redis
 import redis.asyncio
@@ -38,6 +39,8 @@ from tokenfleet.shared.settings import Settings
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_MS = 10_000
 DEFAULT_WINDOW = 64
+_MAX_PAUSE_S = 30.0  # the longest pause before a failing batch is driven again
+_FAILURE_RESET_S = 30.0  # a driver that ran this long before failing starts the count afresh
 
 
 class BatchRunner:
@@ -54,9 +57,11 @@ class BatchRunner:
         poll_s: float = 0.5,
         default_max_tokens: int = 256,
         store: BatchStore | None = None,
+        only: frozenset[str] | None = None,
     ) -> None:
         """``store``: validates batches whose creating gateway died mid-validation (with its
-        line limits); default: a store with the default limits."""
+        line limits); default: a store with the default limits. ``only``: drive just these
+        batches (a ``wait()`` drives its own batch, not every batch of the fleet)."""
         if window < 1 or lease_ms < 100:
             raise ValueError("window must be >= 1 and lease_ms >= 100")
         store = store or BatchStore(
@@ -73,8 +78,13 @@ class BatchRunner:
             validate=store.validate,
         )
         self.poll_s = poll_s
+        self.only = only
         self.drivers: dict[str, BatchDriver] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        # a driver that failed is taken up again after a pause that doubles with each failure in
+        # a row (0.5 s, 1 s, ... 30 s): a batch that fails the same way is not retried in a hot loop
+        self._failures: dict[str, int] = {}
+        self._not_before: dict[str, float] = {}
 
     async def run(self) -> None:
         """Look for batches every ``poll_s``, forever (cancel the task to stop)."""
@@ -93,9 +103,12 @@ class BatchRunner:
     async def tick(self) -> None:
         """Take the lease of every active batch nobody drives, and start driving it."""
         k, r = self.cfg.keys, self.cfg.redis
+        now = time.monotonic()
         for raw in await r.smembers(k.batches_active):
             bid = as_str(raw) or ""
-            if bid in self._tasks:
+            if bid in self._tasks or (self.only is not None and bid not in self.only):
+                continue
+            if now < self._not_before.get(bid, 0.0):
                 continue
             lease = k.batch_lease(bid)
             took = await r.set(lease, self.cfg.token, nx=True, px=self.cfg.lease_ms)
@@ -107,12 +120,21 @@ class BatchRunner:
                 driver = BatchDriver(self.cfg, bid)
                 task = asyncio.get_running_loop().create_task(driver.run())
                 self.drivers[bid], self._tasks[bid] = driver, task
-                task.add_done_callback(functools.partial(self._ended, bid))
+                task.add_done_callback(functools.partial(self._ended, bid, now))
 
-    def _ended(self, bid: str, task: asyncio.Task[None]) -> None:
+    def _ended(self, bid: str, started: float, task: asyncio.Task[None]) -> None:
         self._tasks.pop(bid, None)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("batch %s: driver stopped: %r (taken up again)", bid, task.exception())
+        if task.cancelled() or task.exception() is None:
+            self._failures.pop(bid, None)
+            self._not_before.pop(bid, None)
+            return
+        ran_s = time.monotonic() - started
+        failures = 1 if ran_s > _FAILURE_RESET_S else self._failures.get(bid, 0) + 1
+        pause = 0.0 if failures == 1 else min(_MAX_PAUSE_S, self.poll_s * 2 ** (failures - 2))
+        self._failures[bid], self._not_before[bid] = failures, time.monotonic() + pause
+        log.warning(
+            "batch %s: driver stopped: %r (taken up again in %.1f s)", bid, task.exception(), pause
+        )
 
     async def aclose(self) -> None:
         """Stop driving (the leases lapse; the requests go on for whoever drives next)."""
