@@ -1,10 +1,12 @@
 """Crashes mid-batch, with real processes: a runner SIGKILLed (a second runner takes over once
-its lease lapses) and a worker SIGKILLed (a second worker runs what it held). In both the
-output is checked line by line against the input: no loss, no duplicate."""
+its lease lapses) and a worker SIGKILLed under a batch made through the openai SDK and driven
+by a real gateway (a second worker runs what it held). In both the output is checked line by
+line against the input: no loss, no duplicate."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import signal
 import sys
 import uuid
@@ -22,8 +24,11 @@ from batch_helpers import (
     wait_batch,
     with_env,
 )
-from gateway_helpers import Proc, Worker
+from batch_http_helpers import completed, jsonl, lines_of, sdk_for
+from batch_http_helpers import final as http_final
+from gateway_helpers import Gateway, Proc, Worker, wait_for
 
+from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -103,48 +108,57 @@ def test_a_runner_sigkilled_mid_batch_is_taken_over(bsettings: Settings, log_dir
 
 
 def test_a_worker_sigkilled_mid_batch_loses_nothing(
-    bsettings: Settings, workers: list[Worker]
+    bsettings: Settings, workers: list[Worker], log_dir: Path
 ) -> None:
+    """As a user meets it: the batch made through the openai SDK and driven by a real
+    ``tokenfleet serve`` gateway; one of the two workers SIGKILLed while it runs lines of it."""
     lines = [chat_line(i, max_tokens=24 if i % 2 else 120) for i in range(40)]
-
-    async def body(env: Env) -> None:
-        b = await upload_and_create(env, lines)
-        runner = env.runner(window=8)
-        task = asyncio.create_task(runner.run())
-        try:
-            await wait_batch(env, b.id, lambda x: x.completed >= 4)
-            await _running_on(env, b.id, workers[0].name)
+    gateway = Gateway(
+        bsettings.redis_url,
+        bsettings.key_prefix,
+        log_dir,
+        name="bc-gateway",
+        env={"TOKENFLEET_GATEWAY_BATCH_WINDOW": "8"},
+    ).wait_ready()
+    try:
+        sdk = sdk_for(gateway.url + "/v1")
+        upload = sdk.files.create(file=("w.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        with Client.from_url(settings=bsettings) as client:
+            wait_for(lambda: completed(sdk, batch.id) >= 4, "the batch to be under way")
+            wait_for(lambda: _running_on(client, batch.id, workers[0].name), "a line on worker 0")
             workers[0].signal(signal.SIGKILL)
-            while workers[0].alive():
-                await asyncio.sleep(0.01)
+            workers[0].proc.wait(10)
             # what it held when it died: its records stay "running" under its name until the
             # other worker claims them (after its heartbeat lapses), so this read is exact
-            held = await _running_on(env, b.id, workers[0].name)
-            b = await wait_batch(env, b.id, final)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        assert b.status == "completed" and (b.completed, b.failed) == (40, 0), b.to_dict()
-        await check_exactly_once(env, b, [x["custom_id"] for x in lines])
-        for rid in held:  # what the killed worker held was run again by the other one
-            record = await env.client.status(rid)
-            assert record.attempts >= 2 and record.worker != workers[0].name
+            held = _running_on(client, batch.id, workers[0].name)
+            assert held, "the killed worker held no line of the batch"
+            done = http_final(sdk, batch.id)
+            out, err = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
+            assert done.status == "completed", done
+            assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
+            assert err == []
+            assert sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+            for x in out:  # every line once, and whole (ignore_eos: exactly its max_tokens)
+                i = int(x["custom_id"].removeprefix("req-"))
+                assert x["response"]["request_id"] == f"{batch.id}-{i}"
+                usage = x["response"]["body"]["usage"]
+                assert usage["completion_tokens"] == lines[i]["body"]["max_tokens"], x
+            for rid in held:  # what the killed worker held was run again by the other one
+                record = client.status(rid)
+                assert record.attempts >= 2 and record.worker != workers[0].name
+    finally:
+        gateway.close()
 
-    with_env(bsettings, body)
 
-
-async def _running_on(env: Env, batch_id: str, worker: str) -> list[str]:
-    """Ids of the batch's requests running on ``worker``, once there is one."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + 60
-    while True:
-        b = await env.batches.get(batch_id)
-        held = []
-        for i in range(b.next_line):
-            record = await env.client.status(f"{batch_id}-{i}")
-            if record.status.value == "running" and record.worker == worker:
-                held.append(record.request_id)
-        if held:
-            return held
-        assert loop.time() < until, f"no request of the batch ran on {worker}"
-        await asyncio.sleep(0.01)
+def _running_on(client: Client, batch_id: str, worker: str) -> list[str]:
+    """Ids of the batch's requests running on ``worker`` now."""
+    b = client.batch(batch_id).status()
+    held = []
+    for i in range(b.next_line):
+        record = client.status(f"{batch_id}-{i}")
+        if record.status.value == "running" and record.worker == worker:
+            held.append(record.request_id)
+    return held
