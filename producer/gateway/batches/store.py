@@ -34,7 +34,7 @@ from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.shared.errors import UnknownRequest
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
-from tokenfleet.shared.scripts.registry import acall
+from tokenfleet.shared.scripts.registry import acall, aqueue
 from tokenfleet.shared.settings import Settings
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,4})([hm])$")
@@ -129,7 +129,10 @@ class BatchStore:
         pipe.set(self._keys.batch_lease(bid), token, px=self.lease_ms)
         pipe.sadd(self._keys.batches_active, bid)
         await pipe.execute()
-        await self.validate(bid, token, texts)
+        try:
+            await self.validate(bid, token, texts)
+        except LeaseLost:  # validation outlived its lease: a runner validates it now (same result)
+            return await self.get(bid)
         await acall(self._r, LEASE, [self._keys.batch_lease(bid)], [token, 0])  # runners' turn
         return await self.get(bid)
 
@@ -192,8 +195,10 @@ class BatchStore:
             self._keys.file_lines(err_id),
         ]
         lease = [self._keys.batch_lease(bid)]
+        pipe = self._r.pipeline(transaction=False)  # the invalid lines of the last 500, at once
         for i, text in enumerate(texts):
             if i % _YIELD_EVERY == 0:
+                await pipe.execute()
                 await asyncio.sleep(0)
                 if (await acall(self._r, LEASE, lease, [token, self.lease_ms]))[0] != "ok":
                     raise LeaseLost(f"batch {bid}: the validation lease was taken over")
@@ -217,8 +222,8 @@ class BatchStore:
                     {"code": exc.code, "message": exc.message, "line": i + 1, "param": None}
                 )
                 out = L.error_line(bid, i, custom_id, exc.code, exc.message)
-                # one call each: invalid lines are few, and this is the runner's script
-                await acall(self._r, RECORD, record_keys, [i, "err", out])
+                await aqueue(self._r, pipe, RECORD, record_keys, [i, "err", out])
+        await pipe.execute()
         return errors
 
     async def get(self, batch_id: str) -> BatchObject:
