@@ -283,6 +283,11 @@ class _RouteKeys(_Root):
         """Hash: worker -> "RUNNING MAX_NUM_SEQS" for ``model``'s routed workers (heartbeat)."""
         return f"{self.root}:rload:{model}"
 
+    def route_tokenizer(self, model: str) -> str:
+        """Hash: how ``model``'s workers turn a prompt into tokens (tokenizer JSON, chat template,
+        special tokens, block size), so producers compute the engine's block hashes."""
+        return f"{self.root}:rtok:{model}"
+
     def prefixes(self, worker: str) -> str:
         """Set: prefix-chain link hashes (hex) ``worker`` holds in its cache."""
         return f"{self.root}:pfx:{worker}"

@@ -1,16 +1,17 @@
-"""The text-level prefix chain producers route by and workers publish: no tokenizer involved.
+"""The routing chain: the engine's own prefix-cache block hashes at a few positions of a prompt.
 
-Why text and not tokens: producers (web apps, cron jobs, the gateway) have no tokenizer (the
-producer package must not pull in the model stack), and two workers of one model tokenize the
-same text identically, so a chain over the *text* identifies the same leading KV blocks as the
-engine's token-block hashes would, without either side knowing the other's block size.
+Producers route a request to the worker whose KV cache holds the longest leading part of its
+prompt. Both sides use the engine's chained block hash (``block_hash``): the producer tokenizes
+the prompt as the worker will (``producer.core.route_tokenizer``, from the tokenizer and chat
+template each worker publishes for its model), and a worker publishes the hashes of the blocks
+its prefix cache holds as they enter and leave it (``worker.service.prefix_set``).
 
-The chain: link ``i`` is ``H(link i-1 || piece i)`` (BLAKE2b, 8 bytes, hex), so equal link ``i``
-means equal pieces ``0..i``. Pieces are, for chat requests, each message as canonical JSON
-(``{"content":…,"role":…}``, sorted keys); for text prompts, fixed chunks of
-:data:`CHUNK_CHARS` characters (a partial last chunk is left out: it is not a full KV block
-yet); for token-id prompts, chunks of :data:`CHUNK_TOKENS` ids. At most :data:`MAX_LINKS`
-links. Invariant: the function is pure and identical on both sides (one definition, here).
+Only blocks at :func:`link_positions` are links (a bounded chain for any prompt length): every
+block for the first 8, then every 2nd, 4th, 8th and 16th block, 8 links each — 40 links
+covering 248 blocks (3,968 tokens at 16 tokens a block), finest where prompts differ most
+often. A link is the first 8 bytes of the block's hash, hex. Because the hash is chained, link
+``i`` of two prompts is equal only if their tokens are equal up to the end of that block, so
+the leading run of a chain's links found in a worker's set is the cached prefix it would reuse.
 
 The session key: ``metadata["session"]``, else ``metadata["user"]`` (what the gateway stores
 from the OpenAI ``user`` field); hashed before it becomes part of a key name.
@@ -20,62 +21,59 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from functools import cache
 from typing import Any
 
-import orjson
+from tokenfleet.shared.block_hash import hash_block
 
-CHUNK_CHARS = 256  # characters per piece of a text prompt
-CHUNK_TOKENS = 64  # token ids per piece of a token-id prompt
-MAX_LINKS = 16  # links of a chain at most
-
-
-def _link(prev: bytes, piece: bytes) -> bytes:
-    return hashlib.blake2b(prev + piece, digest_size=8).digest()
+LINKS_PER_STRIDE = 8  # links at each stride before it doubles
+STRIDES = (1, 2, 4, 8, 16)  # blocks between links
+MAX_LINKS = LINKS_PER_STRIDE * len(STRIDES)
 
 
-def _chain(pieces: Sequence[bytes]) -> tuple[str, ...]:
-    out: list[str] = []
-    prev = b""
-    for piece in pieces[:MAX_LINKS]:
-        prev = _link(prev, piece)
-        out.append(prev.hex())
+@cache
+def link_positions(max_blocks: int = 1 << 30) -> tuple[int, ...]:
+    """Block indices whose hashes are links, in order (those below ``max_blocks``)."""
+    out: list[int] = []
+    at = -1
+    for stride in STRIDES:
+        for _ in range(LINKS_PER_STRIDE):
+            at += stride
+            if at >= max_blocks:
+                return tuple(out)
+            out.append(at)
     return tuple(out)
 
 
-def prefix_chain(
-    *,
-    prompt: str | None = None,
-    messages: Sequence[Mapping[str, str]] | None = None,
-    prompt_token_ids: Sequence[int] | None = None,
-) -> tuple[str, ...]:
-    """The request's chain (module doc): one of the three prompt forms; empty for none."""
-    if messages is not None:
-        return _chain(
-            [
-                orjson.dumps(
-                    {"content": m.get("content", ""), "role": m.get("role", "")},
-                    option=orjson.OPT_SORT_KEYS,
-                )
-                for m in messages[:MAX_LINKS]
-            ]
-        )
-    if prompt is not None:
-        full = min(len(prompt) // CHUNK_CHARS, MAX_LINKS)
-        return _chain(
-            [
-                prompt[i * CHUNK_CHARS : (i + 1) * CHUNK_CHARS].encode("utf-8", "surrogatepass")
-                for i in range(full)
-            ]
-        )
-    if prompt_token_ids is not None:
-        full = min(len(prompt_token_ids) // CHUNK_TOKENS, MAX_LINKS)
-        return _chain(
-            [
-                orjson.dumps(list(prompt_token_ids[i * CHUNK_TOKENS : (i + 1) * CHUNK_TOKENS]))
-                for i in range(full)
-            ]
-        )
-    return ()
+LINK_INDEX = {p: i for i, p in enumerate(link_positions())}  # block index -> link number
+
+
+def link_of(block_hash: bytes) -> str:
+    """The published form of a block hash that is a link."""
+    return block_hash[:8].hex()
+
+
+def prefix_chain(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
+    """The links of a prompt of ``token_ids`` for an engine of ``block_size`` (module doc).
+
+    Only blocks lying within the first ``len - 1`` tokens count, as in the engine (the last
+    prompt token is always computed)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_blocks = (len(token_ids) - 1) // block_size if token_ids else 0
+    positions = link_positions(num_blocks)
+    if not positions:
+        return ()
+    out: list[str] = []
+    parent: bytes | None = None
+    wanted = iter(positions)
+    next_at = next(wanted)
+    for i in range(positions[-1] + 1):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        if i == next_at:
+            out.append(link_of(parent))
+            next_at = next(wanted, -1)
+    return tuple(out)
 
 
 def session_of(metadata: Mapping[str, Any] | None) -> str | None:

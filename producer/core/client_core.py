@@ -9,6 +9,7 @@ how a plan runs (``_run``: blocking or awaited) and which handle class they hand
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -32,12 +33,14 @@ from tokenfleet.producer.core.effects import (
 from tokenfleet.producer.core.models import ModelInfo, model_infos
 from tokenfleet.producer.core.outage import OutageClock
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
+from tokenfleet.producer.core.route_tokenizer import RouteTokenizer
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.replica_wait import ReplicationLagged
+from tokenfleet.shared.route_spec import RouteSpec
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
@@ -56,6 +59,10 @@ CANCELLED_MESSAGE = "cancelled by the client before it started"
 # streams' waiting entries count in the bound; the script routes only to live ones).
 ROUTERS_TTL_S = 1.0
 ROUTERS_RECENT_S = 60.0
+# A model's route tokenizer (shared.route_spec): its digest is re-read this often (the spec itself
+# only when the digest changed); while no worker has published one, as often as the routers.
+ROUTE_SPEC_TTL_S = 30.0
+log = logging.getLogger(__name__)
 
 H = TypeVar("H")  # the handle class a face hands out
 
@@ -90,6 +97,8 @@ class ClientCore(ABC, Generic[H]):
         self._subscriber = subscriber
         self._owns_redis = False
         self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
+        # model -> (read at, its route tokenizer or None)
+        self._route_tokenizers: dict[str, tuple[float, RouteTokenizer | None]] = {}
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
@@ -125,6 +134,8 @@ class ClientCore(ABC, Generic[H]):
         prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
+        if prepared.route_input is not None:
+            add_chain(prepared, (yield from self._route_tokenizer(prepared.model)))
         until = None if timeout is None else time.monotonic() + timeout
         delay, growth, ceiling = ops.BLOCK_POLL
         lagged = OutageClock(self.settings.redis_retry_s)
@@ -170,6 +181,25 @@ class ClientCore(ABC, Generic[H]):
             self._routers[model] = cached
         return RouteTargets(cached[1], self.settings.session_ttl_s)
 
+    def _route_tokenizer(self, model: str) -> Plan[RouteTokenizer | None]:
+        """``model``'s ``RouteTokenizer`` (None: no worker has published one yet, or it cannot
+        be built here); cached per model (``ROUTE_SPEC_TTL_S``)."""
+        now = time.monotonic()
+        cached = self._route_tokenizers.get(model)
+        if cached is not None:
+            age, tok = now - cached[0], cached[1]
+            if age < (ROUTE_SPEC_TTL_S if tok is not None else ROUTERS_TTL_S):
+                return tok
+        key = self._keys.route_tokenizer(model)
+        digest = as_str((yield Command(HashCommands.hget, (key, "digest"))))
+        tok = cached[1] if cached is not None else None
+        if digest is None:
+            tok = None
+        elif tok is None or tok.digest != digest:
+            tok = build_route_tokenizer((yield Command(HashCommands.hgetall, (key,))), model)
+        self._route_tokenizers[model] = (now, tok)
+        return tok
+
     def _try_submit(self, prompt: Any, params: dict[str, Any]) -> Plan[H]:
         params.pop("timeout", None)
         return self._submit(prompt, params, timeout=0.0, try_only=True)
@@ -199,6 +229,12 @@ class ClientCore(ABC, Generic[H]):
         for (model, _), _ in batches:
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
+        tokenizers: dict[str, RouteTokenizer | None] = {}
+        for p in prepared:
+            if p.route_input is not None:
+                if p.model not in tokenizers:
+                    tokenizers[p.model] = yield from self._route_tokenizer(p.model)
+                add_chain(p, tokenizers[p.model])
 
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
@@ -283,14 +319,22 @@ class ClientCore(ABC, Generic[H]):
 
     # -- models and queues ----------------------------------------------------------------------
     def _models(self) -> Plan[list[ModelInfo]]:
-        served, declared = yield Transaction(
+        served, declared, names = yield Transaction(
             (
                 # (name, start, end, desc, withscores): Command takes positional arguments
                 Command(SortedSetCommands.zrange, (self._keys.served, 0, -1, False, True)),
                 Command(SetCommands.smembers, (self._keys.declared,)),
+                Command(SortedSetCommands.zrange, (self._keys.workers, 0, -1)),
             )
         )
-        return model_infos(served, declared, now=time.time())
+        workers = [as_str(name) or "" for name in names]
+        models: list[Any] = []
+        if workers:  # each one's heartbeat says its model (None once it lapsed)
+            models = yield Transaction(
+                tuple(Command(HashCommands.hget, (self._keys.worker(w), "model")) for w in workers)
+            )
+        heartbeats = zip(workers, models, strict=True)
+        return model_infos(served, declared, now=time.time(), heartbeats=heartbeats)
 
     def _queue_stats(self) -> Plan[list[QueueStats]]:
         members = yield Command(SetCommands.smembers, (self._keys.queues,))
@@ -329,3 +373,25 @@ class ClientCore(ABC, Generic[H]):
         writes.append(Command(SetCommands.sadd, (self._keys.queues, self._keys.queue_member(m, p))))
         yield Transaction(tuple(writes))
         return config
+
+
+def add_chain(prepared: Prepared, tokenizer: RouteTokenizer | None) -> None:
+    """Set ``prepared.chain`` from its route input with ``tokenizer`` (none: no chain)."""
+    if tokenizer is not None and prepared.route_input is not None:
+        prompt, messages, token_ids = prepared.route_input
+        prepared.chain = tokenizer.chain(
+            prompt=prompt, messages=messages, prompt_token_ids=token_ids
+        )
+
+
+def build_route_tokenizer(raw: Mapping[bytes, bytes], model: str) -> RouteTokenizer | None:
+    """The ``RouteTokenizer`` of a published spec; None (and a warning) if it cannot be built."""
+    spec = RouteSpec.from_hash(raw)
+    if spec is None:
+        log.warning("tokenfleet: the route tokenizer of model %r is malformed; not used", model)
+        return None
+    try:
+        return RouteTokenizer(spec)
+    except Exception as exc:  # tokenizers missing, or a tokenizer JSON it cannot read
+        log.warning("tokenfleet: cannot build model %r's route tokenizer: %s", model, exc)
+        return None

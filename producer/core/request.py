@@ -18,7 +18,7 @@ import orjson
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
-from tokenfleet.shared.prefix_chain import CHUNK_CHARS, prefix_chain, session_of
+from tokenfleet.shared.prefix_chain import session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import GenerationRequest, SamplingParams, check_text
 from tokenfleet.shared.settings import Settings
@@ -58,7 +58,10 @@ class Prepared:
     payload: bytes  # the encoded GenerationRequest (what workers read)
     chosen_id: bool  # the client chose the id (so the enqueue script checks its fingerprint)
     session: str | None = None  # routing: the session key (prefix_chain.session_of), or None
-    chain: tuple[str, ...] = ()  # routing: the prefix chain (empty: routing off, or bulk)
+    chain: tuple[str, ...] = ()  # routing: the prefix chain (empty: none, or not computed yet)
+    # routing: what the chain is computed from once the model's RouteTokenizer is known
+    # (prompt, messages, prompt_token_ids); None: nothing to route by prefix
+    route_input: tuple[Any, Any, Any] | None = None
 
     @classmethod
     def of(cls, request: GenerationRequest, max_bytes: int, *, chosen_id: bool) -> Prepared:
@@ -71,6 +74,11 @@ class Prepared:
             request.encode(max_bytes),
             chosen_id,
         )
+
+
+# a bulk text prompt shorter than this is not tokenized for routing (it would fill about one
+# 16-token block: no useful cached prefix, and submit_many's cost stays that of its encoding)
+MIN_BULK_ROUTE_CHARS = 256
 
 
 def new_request_id() -> str:
@@ -117,13 +125,9 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
     prepared = Prepared.of(
         request, settings.max_payload_bytes, chosen_id=params.get("request_id") is not None
     )
-    if settings.routing != "off":  # the producer has no tokenizer: a chain over the text
+    if settings.routing != "off":  # the chain needs the model's tokenizer: the client adds it
         prepared.session = session_of(request.metadata)
-        prepared.chain = prefix_chain(
-            prompt=request.prompt,
-            messages=request.messages,
-            prompt_token_ids=request.prompt_token_ids,
-        )
+        prepared.route_input = (request.prompt, request.messages, request.prompt_token_ids)
     return prepared
 
 
@@ -300,8 +304,8 @@ def prepare_many(
             else:
                 rid, chosen = check_request_id(rid), True
             prepared = template.instance(max_bytes, params["prompt"], rid, chosen)
-            if chains and len(params["prompt"]) >= CHUNK_CHARS:  # routed like submit's
-                prepared.chain = prefix_chain(prompt=params["prompt"])
+            if chains and len(params["prompt"]) >= MIN_BULK_ROUTE_CHARS:  # routed like submit's
+                prepared.route_input = (params["prompt"], None, None)
             out.append(prepared)
         except InvalidRequest as exc:
             raise InvalidRequest(f"requests[{i}]: {exc}") from None

@@ -14,13 +14,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tokenfleet.worker.engine.block_manager import (
-    AllocStatus,
-    BlockManager,
-    check_invariants,
-    extend_block_hashes,
-    hash_block,
-)
+from tokenfleet.shared.block_hash import extend_block_hashes, hash_block
+from tokenfleet.worker.engine.block_manager import AllocStatus, BlockManager, check_invariants
 
 
 def hashes_of(token_ids: list[int], block_size: int) -> list[bytes]:

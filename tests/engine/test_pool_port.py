@@ -66,7 +66,7 @@ def test_block_manager_allocates_and_appends_only_within_the_limit() -> None:
 
 
 def test_reviving_a_cached_block_counts_against_the_limit() -> None:
-    from tokenfleet.worker.engine.block_manager import extend_block_hashes
+    from tokenfleet.shared.block_hash import extend_block_hashes
 
     bm = BlockManager(16, 4)
     ids = list(range(100, 109))  # 2 full blocks + 1 token

@@ -231,7 +231,7 @@ def test_a_routed_beat_publishes_the_load_and_the_longest_step_since_the_last_be
     r: redis.Redis, settings: Settings, keys: Keys
 ) -> None:
     beat = Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30)
-    beat.prefixes, beat.max_num_seqs, beat.levels = PrefixSet(16), 8, "critical,normal"
+    beat.prefixes, beat.max_num_seqs, beat.levels = PrefixSet(), 8, "critical,normal"
     for step_s in (0.05, 0.9004, 0.2):
         beat.note_step(step_s)
     beat.beat({"running": 3})

@@ -8,33 +8,28 @@ preempted — that is the scheduler's job.
 from __future__ import annotations
 
 import enum
-import hashlib
 import heapq
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class CacheWatcher(Protocol):
+    """Told of every change of the prefix cache's content (a worker publishes a summary of what
+    its cache holds for routing). Called on the engine's thread, inside the block manager's
+    actions: it must be quick and must not call back into the block manager."""
+
+    def cached(self, index: int, block_hash: bytes) -> None:
+        """A full block at position ``index`` of its sequence is now in the cache."""
+
+    def forgotten(self, block_hash: bytes) -> None:
+        """The block with ``block_hash`` left the cache (evicted or reset)."""
 
 
 class AllocStatus(enum.Enum):
     NOW = "now"  # enough free (or evictable) blocks right now
     LATER = "later"  # fits in the pool, but not with what is free now
     NEVER = "never"  # needs more blocks than the whole pool has
-
-
-def hash_block(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Chained hash of one full block: it identifies the block's tokens *and* everything before."""
-    h = hashlib.blake2b(digest_size=16)
-    if parent is not None:
-        h.update(parent)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
-    """Append to ``hashes`` the chained hash of every full block of ``token_ids`` not hashed yet."""
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, token_ids[i * block_size : (i + 1) * block_size]))
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -88,6 +83,7 @@ class BlockManager:
         self._num_slots: dict[str, int] = {}  # token slots each table covers
         self._num_hashed: dict[str, int] = {}  # leading blocks of each table already offered
         self.block_limit: int | None = None  # in-use blocks at most (None: no limit)
+        self.watcher: CacheWatcher | None = None  # told of what enters and leaves the cache
 
     # ----------------------------------------------------------------------------- questions
 
@@ -221,6 +217,8 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.cached:
                 self.block_hash[block] = h
                 self.cached[h] = block
+                if self.watcher is not None:
+                    self.watcher.cached(i, h)
         self._num_hashed[seq_id] = max(self._num_hashed[seq_id], num_full)
 
     def free(self, seq_id: str) -> None:
@@ -278,6 +276,8 @@ class BlockManager:
         if h is not None:
             del self.cached[h]
             self.block_hash[block] = None
+            if self.watcher is not None:
+                self.watcher.forgotten(h)
 
 
 def check_invariants(bm: BlockManager) -> None:

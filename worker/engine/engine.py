@@ -17,7 +17,7 @@ import torch
 
 from tokenfleet.shared.priority import BACKGROUND, Priority
 from tokenfleet.worker.engine.batch import StepBatch
-from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
+from tokenfleet.worker.engine.block_manager import BlockManager, CacheWatcher, num_blocks_for
 from tokenfleet.worker.engine.config import EngineConfig, with_overrides
 from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
 from tokenfleet.worker.engine.offline import generate
@@ -225,6 +225,11 @@ class Engine:
             num_running=len(running),
             block_size=block_size,
         )
+
+    def watch_prefix_cache(self, watcher: CacheWatcher | None) -> None:
+        """Tell ``watcher`` of every block that enters or leaves the prefix cache from now on
+        (None: stop). Set it before the first step: blocks cached earlier are not reported."""
+        self.block_manager.watcher = watcher
 
     def pool_port(self) -> PoolPort:
         """This engine's one pool-facing object, which ``tokenfleet.worker.pool.link.PoolLink``

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tokenfleet.shared.block_hash import extend_block_hashes
 from tokenfleet.shared.priority import PRIORITIES, Priority
-from tokenfleet.worker.engine.block_manager import extend_block_hashes, num_blocks_for
+from tokenfleet.worker.engine.block_manager import num_blocks_for
 from tokenfleet.worker.engine.outputs import StepStats
 from tokenfleet.worker.engine.preemption import admission_victim
 from tokenfleet.worker.engine.request import Request

@@ -33,12 +33,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenfleet.shared.block_hash import extend_block_hashes
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
-from tokenfleet.worker.engine.block_manager import (
-    BlockManager,
-    extend_block_hashes,
-    num_blocks_for,
-)
+from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
 from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus
 from tokenfleet.worker.engine.step_phases import (
     StepPhases,

@@ -12,9 +12,10 @@ import bisect
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from tokenfleet.shared.block_hash import extend_block_hashes
 from tokenfleet.shared.priority import BACKGROUND
 from tokenfleet.worker.engine.batch import ScheduledSeq
-from tokenfleet.worker.engine.block_manager import AllocStatus, BlockManager, extend_block_hashes
+from tokenfleet.worker.engine.block_manager import AllocStatus, BlockManager
 from tokenfleet.worker.engine.preemption import admission_victim
 from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus
 

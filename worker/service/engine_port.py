@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tokenfleet.shared.priority import Priority
+from tokenfleet.worker.engine.block_manager import CacheWatcher
 from tokenfleet.worker.engine.outputs import EngineCapacity, RequestOutput, StepStats
 from tokenfleet.worker.engine.request import SamplingParams
 
@@ -53,3 +54,7 @@ class EnginePort(Protocol):
 
     def capacity(self) -> EngineCapacity:
         """What the engine can take now (free sequence slots and KV blocks)."""
+
+    def watch_prefix_cache(self, watcher: CacheWatcher | None) -> None:
+        """Tell ``watcher`` what enters and leaves the prefix cache (routing's published
+        summary); None stops it."""

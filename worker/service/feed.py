@@ -16,8 +16,8 @@ the engine by the first poll after its tokens are ready, so the loop keeps stepp
 
 Routing (README "Routing"): ``steal`` takes aged routed work of other workers (``stealer``)
 within the engine's room; every job owned is counted by how it came (hit, miss, steal,
-overflow) and its prefix chain noted in ``prefixes`` (published with the heartbeat). An
-overflow worker (``overflow``) reads nothing but what its stealer takes.
+overflow). What the prefix cache holds reaches the routing from the engine itself
+(``prefix_set``). An overflow worker (``overflow``) reads nothing but what its stealer takes.
 
 The state of each request lives in the ``RunTable``; the :class:`Feeder` does the engine side of
 each transition (add, abort) together with the table's.
@@ -40,7 +40,6 @@ from tokenfleet.worker.service.adapter import EngineAdapter
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.metrics import WorkerMetrics
 from tokenfleet.worker.service.outbox import Outbox
-from tokenfleet.worker.service.prefix_set import PrefixSet
 from tokenfleet.worker.service.prompt_prep import Prepared, PromptPrep, PromptTooLong
 from tokenfleet.worker.service.run_table import RunTable, count_of
 
@@ -81,7 +80,6 @@ class Feeder:
             self.engine.tokenizer, self.engine.max_model_len, adapter.chat_text
         )
         self.stealer: Stealer | None = None  # set by the service (routing_wiring)
-        self.prefixes: PrefixSet | None = None
         self.overflow = False
 
     # -- how much ------------------------------------------------------------------------------
@@ -308,10 +306,8 @@ class Feeder:
         self.add(job)
 
     def _note_route(self, job: Job) -> None:
-        """Count how ``job`` came here and note its prefix chain as held by this worker."""
+        """Count how ``job`` came here."""
         self.metrics.observe_route(route_kind(job.entry, self.intake.streams))
-        if self.prefixes is not None:
-            self.prefixes.note_request(job.request)
 
     def _add_early(self, job: Job) -> None:
         """Put a request into the engine before its ``START`` has answered (``reader``)."""

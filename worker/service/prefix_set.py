@@ -1,74 +1,53 @@
-"""What this worker's cache holds, as the routing sees it: a bounded LRU of prefix-chain links.
+"""What this worker's prefix cache holds, as the routing sees it: the links among its blocks.
 
-After each request it starts, the worker records the request's chain
-(``tokenfleet.shared.prefix_chain``, computed from the request exactly as the producer computed
-it) here; the heartbeat publishes the changes to ``Keys.prefixes(NAME)`` (``SADD`` new links,
-``SREM`` evicted ones) in its existing round trip, and the set expires with the heartbeat. The
-capacity comes from the KV cache: about one link per ``TOKENS_PER_LINK`` tokens it can hold,
-between ``MIN_LINKS`` and ``MAX_LINKS``: links of prompts the engine's own prefix cache has long
-evicted stop attracting requests.
+The engine's block manager tells this set (a ``CacheWatcher``) of every full block that enters
+its prefix cache and every one that leaves it (evicted for another block, or reset). A block
+at one of the chain's link positions (``tokenfleet.shared.prefix_chain``) is a link: its hash
+prefix joins the set while the block is cached, and leaves with it. So the set is exactly the
+routable part of the cache: a producer's chain matches it only as far as the cache would reuse.
+The heartbeat publishes the changes to ``Keys.prefixes(NAME)`` (``SADD`` new links, ``SREM``
+gone ones) in its existing round trip, and the set expires with the heartbeat.
 
-Invariants: ``len(_lru) <= capacity``; ``_added`` and ``_removed`` are disjoint, and after
-:meth:`changes` the published set equals the LRU's keys (the heartbeat applies both; every
-``RESYNC_BEATS``-th beat rewrites the whole set, which also repairs a set Redis lost).
+Invariants: ``_added`` and ``_removed`` are disjoint; after :meth:`changes` the published set
+equals the held links (the heartbeat applies both; every ``RESYNC_BEATS``-th beat rewrites the
+whole set, which also repairs a set Redis lost); the set holds at most one link per cached
+block, so it is bounded by the KV cache. Touched only on the service's thread (the engine steps
+there).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable
-
-from tokenfleet.shared.prefix_chain import prefix_chain
-from tokenfleet.shared.schema import GenerationRequest
-
-TOKENS_PER_LINK = 64  # a link covers a message or 256 characters: about this many tokens
-MIN_LINKS = 64
-MAX_LINKS = 4096
-
-
-def links_for(kv_tokens: int) -> int:
-    """The LRU's capacity for a KV cache of ``kv_tokens`` tokens."""
-    return max(MIN_LINKS, min(MAX_LINKS, kv_tokens // TOKENS_PER_LINK))
+from tokenfleet.shared.prefix_chain import LINK_INDEX, link_of
 
 
 class PrefixSet:
-    """A bounded LRU of chain links plus the changes not yet published (module doc)."""
+    """The links of the cached blocks plus the changes not yet published (module doc)."""
 
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._lru: OrderedDict[str, None] = OrderedDict()
+    def __init__(self) -> None:
+        self._held: dict[bytes, str] = {}  # block hash -> its link
         self._added: set[str] = set()
         self._removed: set[str] = set()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._held)
 
-    def note(self, chain: Iterable[str]) -> None:
-        """A request with ``chain`` ran here: its links are the most recently used."""
-        lru = self._lru
-        for link in chain:
-            if link in lru:
-                lru.move_to_end(link)
-                continue
-            lru[link] = None
-            self._removed.discard(link)
-            self._added.add(link)
-            if len(lru) > self.capacity:
-                old, _ = lru.popitem(last=False)
-                if old in self._added:
-                    self._added.discard(old)
-                else:
-                    self._removed.add(old)
+    def cached(self, index: int, block_hash: bytes) -> None:
+        """The engine cached the block at ``index`` of its sequence (``CacheWatcher``)."""
+        if index not in LINK_INDEX or block_hash in self._held:
+            return
+        link = self._held[block_hash] = link_of(block_hash)
+        self._removed.discard(link)
+        self._added.add(link)
 
-    def note_request(self, req: GenerationRequest) -> None:
-        """``req`` ran here: note its chain, computed as its producer computed it."""
-        self.note(
-            prefix_chain(
-                prompt=req.prompt, messages=req.messages, prompt_token_ids=req.prompt_token_ids
-            )
-        )
+    def forgotten(self, block_hash: bytes) -> None:
+        """The block left the cache (``CacheWatcher``)."""
+        link = self._held.pop(block_hash, None)
+        if link is None:
+            return
+        if link in self._added:
+            self._added.discard(link)
+        else:
+            self._removed.add(link)
 
     def changes(self) -> tuple[list[str], list[str]]:
         """(links to add, links to remove) since the last call; the caller publishes them."""
@@ -79,4 +58,4 @@ class PrefixSet:
 
     def snapshot(self) -> list[str]:
         """Every link held (a full rewrite of the published set)."""
-        return list(self._lru)
+        return list(self._held.values())

@@ -1,0 +1,114 @@
+"""``RouteTokenizer``: a prompt's routing chain, tokenized exactly as the model's workers do.
+
+Built from the ``RouteSpec`` a worker published (``shared.route_spec``): the fast tokenizer's
+JSON loaded with ``tokenizers`` (Rust; no torch, no transformers), the chat template rendered
+with Jinja2 the way transformers renders it (a sandboxed environment with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter, ``raise_exception`` and
+``strftime_now``, the special tokens as variables, ``add_generation_prompt=True``). Then the
+chain is ``prefix_chain(token_ids, block_size)``: the engine's own block hashes.
+
+Routing is an optimisation, so nothing here refuses a request: a template this module cannot
+render (or that raises for these messages) gives an empty chain, and the request is routed by
+its session or goes to the shared stream. Only the leading ``MAX_ROUTE_CHARS`` of a long text
+are tokenized (the chain covers at most ``MAX_LINKS`` links); the tokens nearest the cut are
+dropped, since a cut can change how the last word is split.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from tokenfleet.shared.prefix_chain import link_positions, prefix_chain
+from tokenfleet.shared.route_spec import RouteSpec
+
+_CUT_MARGIN_TOKENS = 8  # tokens dropped at the end of a cut text
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _compile(template: str) -> Any:
+    """The Jinja template object, or None where it does not compile here."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except TemplateError:
+        return None
+
+
+class RouteTokenizer:
+    """One model's prompt -> chain (module doc). Immutable once built; safe to share."""
+
+    def __init__(self, spec: RouteSpec) -> None:
+        from tokenizers import Tokenizer
+
+        self.digest = spec.digest
+        self.block_size = spec.block_size
+        self._tokenizer = Tokenizer.from_str(spec.tokenizer)
+        self._template = _compile(spec.chat_template) if spec.chat_template else None
+        self._special = dict(spec.special)
+        # tokens the chain can use at most, and (generously) the characters that hold them
+        self.max_tokens = (link_positions()[-1] + 1) * spec.block_size + 1
+        self.max_chars = 16 * self.max_tokens
+
+    def chain(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+    ) -> tuple[str, ...]:
+        """The request's chain; empty when there is nothing to route by."""
+        if prompt_token_ids is not None:
+            return prefix_chain(prompt_token_ids, self.block_size)
+        if messages is not None:
+            if self._template is None:
+                return ()
+            try:
+                text = self._template.render(
+                    messages=list(messages),
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=True,
+                    **self._special,
+                )
+            except Exception:  # a template that refuses these messages: route without a chain
+                return ()
+            return self._chain_of_text(text, special=False)
+        if prompt:
+            return self._chain_of_text(prompt, special=True)
+        return ()
+
+    def _chain_of_text(self, text: str, *, special: bool) -> tuple[str, ...]:
+        cut = len(text) > self.max_chars
+        ids = self._tokenizer.encode(
+            text[: self.max_chars] if cut else text, add_special_tokens=special
+        ).ids
+        if cut:
+            ids = ids[: max(0, len(ids) - _CUT_MARGIN_TOKENS)]
+        return prefix_chain(ids, self.block_size)
