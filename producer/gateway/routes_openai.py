@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
+from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Accepted, Caller, Gateway
 from tokenfleet.producer.gateway.openai_api import (
@@ -28,6 +29,8 @@ from tokenfleet.producer.gateway.openai_api import (
 from tokenfleet.producer.gateway.responses import failure, used_tokens
 from tokenfleet.producer.gateway.settings import DISCONNECT_MODES
 from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.queue_config import QueueStats
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 
 router = APIRouter()
@@ -183,12 +186,33 @@ async def chat_completions(request: Request, body: ChatBody, caller: CallerDep) 
 
 @router.get("/v1/models")
 async def list_models(request: Request, caller: CallerDep) -> dict[str, Any]:
-    """The models some live worker serves now (read afresh: not a hot path)."""
-    models = await gateway_of(request).refresh_models()
-    data = []
-    for info in sorted(models.values(), key=lambda m: m.name):
-        if info.served:
-            data.append(
-                {"id": info.name, "object": "model", "created": 0, "owned_by": "tokenfleet"}
-            )
+    """The models some live worker serves now (read afresh: not a hot path), in OpenAI's shape
+    plus a ``tokenfleet`` object each: its live workers, whether the fleet declares it, and its
+    queues' ``waiting`` / ``running`` per priority, routed streams included. A declared model
+    that no live worker serves is not listed (OpenAI lists what it can run now; ``Client.models()``
+    and ``tokenfleet models fleet`` list those too)."""
+    gw = gateway_of(request)
+    models = await gw.refresh_models()
+    queues = await gw.client.queue_stats()
+    data = [
+        {
+            "id": info.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tokenfleet",
+            "tokenfleet": _model_extension(info, queues),
+        }
+        for info in sorted(models.values(), key=lambda m: m.name)
+        if info.served
+    ]
     return {"object": "list", "data": data}
+
+
+def _model_extension(info: ModelInfo, queues: list[QueueStats]) -> dict[str, Any]:
+    """``/v1/models``' ``tokenfleet`` object of one model: every priority level is named (a
+    queue never used counts 0 waiting, 0 running)."""
+    depth = {p.label: {"waiting": 0, "running": 0} for p in Priority}
+    for q in queues:
+        if q.model == info.name:
+            depth[q.priority] = {"waiting": q.waiting, "running": q.running}
+    return {"workers": list(info.workers), "declared": info.declared, "queues": depth}

@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 import openai
 import pytest
 from gateway_helpers import Fleet
+
+from tokenfleet.producer import Client
+from tokenfleet.shared.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -26,6 +30,52 @@ def chat_text(sdk: openai.OpenAI, **kw: Any) -> tuple[str, str | None]:
 
 
 def test_models_lists_what_live_workers_serve(sdk: openai.OpenAI) -> None:
+    assert [m.id for m in sdk.models.list()] == ["default"]
+
+
+def test_models_name_their_workers_and_queue_depths(sdk: openai.OpenAI, fleet: Fleet) -> None:
+    """Each model's ``tokenfleet`` extension: its live workers, whether it is declared, and per
+    priority its waiting and running requests, routed streams included. Beside the real worker's
+    "default", "side" is served by "ghost" (a live heartbeat and routing target, no process), so
+    what is submitted for it stays waiting: one request in its shared stream, one routed."""
+    r, keys, now = fleet.r, fleet.keys, time.time()
+    r.hset(keys.worker("ghost"), mapping={"model": "side", "beat_at": now, "started_at": now})
+    r.zadd(keys.workers, {"ghost": now})
+    r.zadd(keys.served, {"side": now + 600})
+    r.zadd(keys.routers("side"), {"ghost": now + 600})
+    r.hset(keys.route_load("side"), "ghost", "0 8")
+    r.sadd(keys.declared, "side")
+    settings = Settings(redis_url=fleet.redis_url, key_prefix=fleet.prefix)
+    client = Client.from_url(settings=settings)
+    rids = []
+    try:
+        for meta in ({"session": "side-s"}, {}):
+            kw: Any = {"model": "side", "max_tokens": 2, "priority": "batch", "metadata": meta}
+            rids.append(client.submit(messages=CHAT, **kw).request_id)
+        assert [client.status(rid).routed_to for rid in rids] == ["ghost", ""]
+        listed = {m.id: m for m in sdk.models.list()}
+        assert sorted(listed) == ["default", "side"]
+        side = listed["side"].to_dict()
+        assert (side["object"], side["owned_by"]) == ("model", "tokenfleet")
+        idle = {"waiting": 0, "running": 0}
+        assert side["tokenfleet"] == {
+            "workers": ["ghost"],
+            "declared": True,
+            "queues": {"critical": idle, "normal": idle, "batch": {"waiting": 2, "running": 0}},
+        }
+        extra = listed["default"].model_extra
+        assert extra is not None
+        default = extra["tokenfleet"]
+        assert default["workers"] == [fleet.worker.name] and default["declared"] is False
+        assert set(default["queues"]) == {"critical", "normal", "batch"}
+    finally:
+        for rid in rids:
+            client.cancel(rid)
+        client.close()
+        r.delete(keys.worker("ghost"), keys.routers("side"), keys.route_load("side"))
+        r.zrem(keys.workers, "ghost")
+        r.zrem(keys.served, "side")
+        r.srem(keys.declared, "side")
     assert [m.id for m in sdk.models.list()] == ["default"]
 
 

@@ -24,7 +24,7 @@ from tokenfleet.worker.service.heartbeat import Heartbeat
 
 def _beat(r: redis.Redis, settings: Settings, model: str, ttl_s: float = 30.0) -> Heartbeat:
     heartbeat = Heartbeat(r, settings, worker_name=f"w-{model}", model_name=model, ttl_s=ttl_s)
-    heartbeat.beat({"running": 0})
+    heartbeat.beat({"model": model, "running": 0})  # a worker's stats name its model
     return heartbeat
 
 
@@ -188,4 +188,22 @@ def test_both_faces_list_the_same_models(
         ("old", False, False),
     ]
     assert sync[1].expires_at is None
+    assert sync[0].workers == ("w-a",)
     assert [m.to_dict() for m in asyncio.run(from_async())] == [m.to_dict() for m in sync]
+
+
+def test_a_models_workers_are_the_live_heartbeats_that_name_it(
+    client: Client, r: redis.Redis, keys: Keys, settings: Settings
+) -> None:
+    for name, model in (("w-2", "a"), ("w-1", "a"), ("w-b", "b")):
+        beat = Heartbeat(r, settings, worker_name=name, model_name=model, ttl_s=30)
+        beat.beat({"model": model, "running": 0})
+    stopping = Heartbeat(r, settings, worker_name="w-3", model_name="a", ttl_s=30)
+    stopping.beat({"model": "a", "running": 0, "stopping": 1}, serving=False)
+    r.zadd(keys.workers, {"lapsed": time.time() - 100})  # a name whose heartbeat is gone
+    r.sadd(keys.declared, "c")
+    workers = {m.name: m.workers for m in client.models()}
+    assert workers == {"a": ("w-1", "w-2", "w-3"), "b": ("w-b",), "c": ()}
+    assert client.models()[0].to_dict()["workers"] == ["w-1", "w-2", "w-3"]
+    r.delete(keys.worker("w-b"))  # its heartbeat lapsed: no longer one of its model's workers
+    assert [m.workers for m in client.models() if m.name == "b"] == [()]

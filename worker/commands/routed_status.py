@@ -56,13 +56,19 @@ def routed_rows(client: Any, keys: Keys, queues: list[dict[str, Any]]) -> list[d
 
 
 def model_lines(snap: dict[str, Any]) -> list[str]:
-    """Per model: its live workers and its waiting requests, shared and routed."""
+    """Per model with a queue or a live worker: its live workers and its waiting requests,
+    shared and routed. A queue's ``waiting`` (``queue_stats``) already counts its routed
+    streams, so the shared part is that less the routed rows' (never below 0: the two reads are
+    not one snapshot)."""
     lines = []
-    for model in sorted({q["model"] for q in snap["queues"]}):
+    models = {q["model"] for q in snap["queues"]}
+    models |= {w["model"] for w in snap["workers"] if w["model"]}
+    for model in sorted(models):
         names = [w["name"] for w in snap["workers"] if w["model"] == model]
-        shared = sum(q["waiting"] for q in snap["queues"] if q["model"] == model)
+        waiting = sum(q["waiting"] for q in snap["queues"] if q["model"] == model)
         routed = [r for r in snap.get("routed", []) if r["model"] == model]
         waiting_routed = sum(r["waiting"] for r in routed)
+        shared = max(0, waiting - waiting_routed)
         per_worker = ", ".join(
             f"{w}: {sum(r['waiting'] for r in routed if r['worker'] == w)}"
             for w in sorted({r["worker"] for r in routed})

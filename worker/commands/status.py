@@ -9,8 +9,9 @@ live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSE
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
 carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
 figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
-Routing (README "Routing"): each model gets a line with its workers and its waiting requests,
-shared and routed (``routed_status``); ``--json`` has the routed streams under ``routed``.
+Routing (README "Routing"): each model with a queue or a live worker gets a line with its workers
+and its waiting requests, shared and routed (``routed_status``); ``--json`` has the routed
+streams under ``routed`` and each model's live workers under ``models``.
 
 Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
 so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
