@@ -12,6 +12,8 @@ Each keeps one invariant of the durable record atomically:
   owner's tokens start, is reported ``corrupt`` (the worker ends the request ``error``).
 * ``HANDBACK`` re-queues a running request at the tail of its stream (new entry, old one acked
   and deleted) so that any worker resumes it at once from its token list.
+* ``FORGET_ROUTERS`` drops a long-lapsed routed worker from its model's routers set only while
+  its routed streams are empty, deleting them with it, so that no routed entry is orphaned.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ APPEND_TOKENS = load_lua("tokenfleet.shared.scripts", "worker_append_tokens.lua"
 HANDBACK = load_lua("tokenfleet.shared.scripts", "worker_handback.lua", ok_codes=("lost",))
 PULL = load_lua("tokenfleet.shared.scripts", "worker_pull.lua")
 STEAL = load_lua("tokenfleet.shared.scripts", "worker_steal.lua")
+FORGET_ROUTERS = load_lua("tokenfleet.shared.scripts", "worker_forget_routers.lua")
 
 
 def append_tokens_keys_args(

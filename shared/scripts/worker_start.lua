@@ -1,6 +1,7 @@
 -- KEYS[1] = request record hash          KEYS[2] = queue stream of the entry
 -- KEYS[3] = cancel set                   KEYS[4] = request token list
 -- KEYS[5] = queue drain counters (optional: absent skips the count): hash queue member -> starts
+-- KEYS[6] = the request's session key (optional, with a "stolen_by:W" ARGV[11]; needs KEYS[5])
 -- ARGV[1] = request id                   ARGV[2] = worker name
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = stream entry id
 -- ARGV[5] = consumer group name          ARGV[6] = poison limit (max workers per request)
@@ -9,7 +10,11 @@
 --           the comparison with the record's)
 -- ARGV[10] = the queue member (model|label) whose counter in KEYS[5] counts this start
 -- ARGV[11] = how the entry came to this worker (optional: "stolen_by:W" / "overflow:W"),
---            written to the record's "route" (and "routed_to" to ARGV[2]) when not ""
+--            written to the record's "taken" when not ""; "route" and "routed_to" (where the
+--            request was routed, and why) are kept. With KEYS[6], the session is pinned to
+--            ARGV[2] for ARGV[12] seconds: its next turn goes where this turn's history is
+--            (a hint: a SET the caller may not run, e.g. under an older ACL, is skipped)
+-- ARGV[12] = the session TTL in seconds (with KEYS[6])
 -- Returns one of
 --   {"ok", attempts, num_tokens, event0, event1, ...}  now running, held by ARGV[2]; the
 --                                 events are the token list (what earlier workers published);
@@ -82,7 +87,10 @@ if not started then
   redis.call('HSET', KEYS[1], 'started_at', ARGV[3])
 end
 if ARGV[11] and ARGV[11] ~= '' then
-  redis.call('HSET', KEYS[1], 'route', ARGV[11], 'routed_to', ARGV[2])
+  redis.call('HSET', KEYS[1], 'taken', ARGV[11])
+  if KEYS[6] then
+    redis.pcall('SET', KEYS[6], ARGV[2], 'EX', ARGV[12])
+  end
 end
 if h[8] then
   redis.call('HDEL', KEYS[1], 'waiting_on')

@@ -24,6 +24,8 @@ from tokenfleet.producer.core.subscriptions import (
 from tokenfleet.producer.sync_io.driver import SyncDriver
 from tokenfleet.shared.errors import ScriptError
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.prefix_chain import prefix_chain
+from tokenfleet.shared.route_spec import RouteSpec
 from tokenfleet.shared.scripts.enqueue import ENQUEUE
 from tokenfleet.shared.settings import Settings
 
@@ -67,12 +69,41 @@ def test_submit_with_routing_reads_the_routers_once_a_second() -> None:
     )
     try:
         plan = client._submit("hi", {"request_id": "r1"}, timeout=None, try_only=False)
-        read = next(plan)
+        spec = next(plan)  # how the model's workers tokenize: none published yet
+        assert spec == Command(
+            HashCommands.hget, (Keys("core").route_tokenizer("default"), "digest")
+        )
+        read = plan.send(None)
         assert isinstance(read, Command) and read.args[0] == Keys("core").routers("default")
         enqueue = plan.send([b"w1"])
         assert isinstance(enqueue, RunScript) and "w1" in enqueue.args
         again = client._submit("hi", {"request_id": "r2"}, timeout=None, try_only=False)
-        assert isinstance(next(again), RunScript)  # the candidates are cached
+        assert isinstance(next(again), RunScript)  # the candidates (and no spec) are cached
+    finally:
+        client.close()
+
+
+def test_submit_with_routing_computes_the_chain_with_the_published_route_tokenizer() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["zero", "one", "two", "three", "four", "five", "six", "seven"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="zero"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    spec = RouteSpec(tok.to_str(), "", {}, block_size=2)
+    client = Client(
+        redis.Redis.from_url(SETTINGS.redis_url), settings=replace(SETTINGS, routing="prefix")
+    )
+    try:
+        prompt = "one two three four five six seven"
+        plan = client._submit(prompt, {"request_id": "r1"}, timeout=None, try_only=False)
+        key = Keys("core").route_tokenizer("default")
+        assert next(plan) == Command(HashCommands.hget, (key, "digest"))
+        assert plan.send(spec.digest.encode()) == Command(HashCommands.hgetall, (key,))
+        fields = {k.encode(): v.encode() for k, v in spec.to_hash().items()}
+        plan.send(fields)  # -> the routers
+        enqueue = plan.send([b"w1"])
+        chain = prefix_chain([1, 2, 3, 4, 5, 6, 7], 2)  # the words' ids, in 2-token blocks
+        assert len(chain) == 3 and " ".join(chain) in enqueue.args
     finally:
         client.close()
 

@@ -115,13 +115,18 @@ def test_template_fast_path_payloads_equal_prepare(settings: Settings) -> None:
         {"prompt": "another long one, " * 40, "max_tokens": 7},
     ]
     got = prepare_many(settings, specs, now=100.0)
-    assert got[-1].chain and len(got[-2].chain) == 2 and not got[0].chain
+    # a long bulk prompt keeps what its chain is computed from (once the model's route tokenizer
+    # is known); a short one is not tokenized for routing
+    assert got[-1].route_input == (specs[-1]["prompt"], None, None)
+    assert got[-2].route_input == (specs[-2], None, None) and got[0].route_input is None
     for spec, p in zip(specs, got, strict=True):
         params = {"prompt": spec} if isinstance(spec, str) else dict(spec)
         chosen = "request_id" in params
         params.setdefault("request_id", p.request_id)
         one = prepare(settings, now=100.0, **params)
-        assert p == dataclasses.replace(one, chosen_id=chosen)  # a generated id: not chosen
+        # a generated id: not chosen; submit keeps every prompt's route input
+        assert p == dataclasses.replace(one, chosen_id=chosen, route_input=p.route_input)
+        assert one.route_input == (params["prompt"], None, None)
         assert one.chosen_id
     assert len({p.request_id for p in got}) == len(got)
     assert [p.chosen_id for p in prepare_many(settings, specs, now=100.0)] == [

@@ -231,3 +231,91 @@ def test_routing_is_prefix_or_off() -> None:
     assert Settings.from_env({"TOKENFLEET_ROUTING": "off"}).routing == "off"
     with pytest.raises(SettingsError, match="routing"):
         Settings(routing="random")
+
+
+def test_a_lapsed_router_is_forgotten_only_once_its_routed_streams_are_empty(
+    r: redis.Redis, keys: Keys, redis_url: str
+) -> None:
+    """Stealers and claimers know routed streams only from the routers set: a worker dead for
+    an hour stays listed while its routed streams hold an entry, waiting or pending, and is
+    forgotten (streams and load field deleted) once they are empty."""
+    from tokenfleet.shared.scripts.worker import FORGET_ROUTERS
+    from tokenfleet.shared.settings import Settings
+    from tokenfleet.worker.intake.claimer import Claimer
+    from tokenfleet.worker.service.heartbeat import LAPSED_KEEP_S, Heartbeat
+
+    routers, load = keys.routers("default"), keys.route_load("default")
+    lapsed = time.time() - LAPSED_KEEP_S - 60
+    names = {"waits": lapsed, "held": lapsed, "empty": lapsed, "recent": time.time() - 60}
+    r.zadd(routers, names)
+    for name in names:
+        r.hset(load, name, "0 4 40")
+        for p in (P, Priority.BATCH):
+            r.xgroup_create(keys.routed("default", p, name), CONSUMER_GROUP, id="0", mkstream=True)
+    waiting = r.xadd(keys.routed("default", P, "waits"), {"id": "w"})
+    held = keys.routed("default", P, "held")
+    r.xadd(held, {"id": "h"})
+    r.xreadgroup(CONSUMER_GROUP, "held", {held: ">"})  # pending under the dead worker
+    beat = Heartbeat(
+        r,
+        Settings(redis_url=redis_url, key_prefix=keys.prefix),
+        worker_name="alive",
+        model_name="default",
+        ttl_s=10,
+    )
+    beat.beat({"running": 0})  # the first beat looks for lapsed routers
+    members: Any = r.zrange(routers, 0, -1)
+    assert {as_str(m) for m in members} == {"waits", "held", "recent"}
+    assert not r.exists(*(keys.routed("default", p, "empty") for p in (P, Priority.BATCH)))
+    assert r.hget(load, "empty") is None and r.hget(load, "held") is not None
+    streams = PriorityStreams(
+        r, keys, model_name="default", priorities=[P], worker_name="alive", starvation_pulls=8
+    )
+    assert {keys.routed("default", P, w) for w in ("waits", "held")} <= set(
+        Claimer(r, streams, claim_idle_s=5).claim_streams()
+    )
+    # a process back under a lapsed name raises its score: the script checks it again
+    r.zadd(routers, {"waits": time.time() + 10})
+    r.xdel(keys.routed("default", P, "waits"), waiting)
+    stream_keys = [keys.routed("default", p, "waits") for p in Priority]
+    args: list[str | int] = [
+        repr(time.time() - LAPSED_KEEP_S),
+        CONSUMER_GROUP,
+        len(stream_keys),
+        "waits",
+    ]
+    assert registry.call(r, FORGET_ROUTERS, [routers, load, *stream_keys], args) == ["ok"]
+    assert r.exists(keys.routed("default", P, "waits"))
+    # the held entry ends (acked and deleted, as the finish script does): nothing is left
+    entries: Any = r.xrange(held)
+    ids = [as_str(e[0]) or "" for e in entries]
+    r.xack(held, CONSUMER_GROUP, *ids)
+    r.xdel(held, *ids)
+    assert beat.forget_lapsed_routers(time.time()) == ["held"]
+    assert not r.exists(held) and r.hget(load, "held") is None
+
+
+def test_an_overflow_worker_claims_a_dead_workers_entry_only_past_its_threshold(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """An overflow worker takes only work that has waited its threshold: a dead worker's
+    pending entry waits from the owner's death on, as this worker found it."""
+    from tokenfleet.worker.intake.claimer import Claimer
+
+    streams = PriorityStreams(
+        r, keys, model_name="default", priorities=[P], worker_name="ov", starvation_pulls=8
+    )
+    streams.ensure_groups()
+    shared = keys.stream("default", P)
+    entry_id = as_str(r.xadd(shared, {"id": "a"}))
+    r.xreadgroup(CONSUMER_GROUP, "dead", {shared: ">"})  # its owner has no heartbeat
+    overflow = Claimer(r, streams, claim_idle_s=0)
+    overflow.dead_for_s = 0.3
+    found_dead_at = time.monotonic()
+    assert overflow.claim(4) == []  # a regular claimer would take it now
+    deadline = time.monotonic() + 10
+    while not (claimed := overflow.claim(4)):
+        assert time.monotonic() < deadline, "the overflow worker never claimed the entry"
+        time.sleep(0.02)
+    assert time.monotonic() - found_dead_at >= 0.3
+    assert [e.entry_id for e in claimed] == [entry_id]

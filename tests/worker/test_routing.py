@@ -4,8 +4,9 @@ the overflow pool takes only aged work, and cancel / deadlines / overflow polici
 
 Every wait polls a condition with a deadline (``wait_for``); no test depends on how fast a
 worker is; where a worker is kept busy by a long request, the test checks that it still ran.
-A record's ``worker`` is cleared at the end; ``routed_to`` names the worker whose routed stream
-it was read from (or that stole it).
+A record's ``worker`` is cleared at the end; ``route`` and ``routed_to`` say where it was routed
+and why, also when another worker took it, which its ``taken`` says (``stolen_by:W``,
+``overflow:W``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from worker_helpers import WorkerProc, record, wait_for, wait_terminal
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.prefix_chain import prefix_chain
+from tokenfleet.shared.prefix_chain import prefix_chain, session_hash
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TokenEvent
 from tokenfleet.shared.settings import Settings
@@ -74,6 +75,11 @@ class Fleet:
 
     def _logs(self) -> str:
         return "\n".join(f"--- {n}\n{w.output()}" for n, w in self.workers.items())
+
+    def taken(self, rid: str) -> str | None:
+        """The record's ``taken``: who took the request from where it was routed, and how."""
+        value = self.r.hget(self.keys.record(rid), "taken")
+        return value.decode() if isinstance(value, bytes) else value
 
     def close(self) -> None:
         self.client.close()
@@ -137,8 +143,19 @@ def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet
         messages=_turn("go on", "ok", "short"), max_tokens=4, metadata={"session": "s"}
     )
     rec = fleet.done(quick.request_id)
-    assert rec.route == f"stolen_by:{other}" and rec.routed_to == other
+    # where it was routed and why stay in the record; the steal is noted apart
+    assert (rec.route, rec.routed_to) == ("session", home)
+    assert fleet.taken(quick.request_id) == f"stolen_by:{other}"
     assert running() == home  # the session's worker was busy all along
+    # the session follows its stolen turn: the next turn goes where that turn's history is
+    assert fleet.r.get(fleet.keys.session(session_hash("default|s"))) == other.encode()
+    then = c.submit(
+        messages=_turn("go on", "ok", "short", "done", "next"),
+        max_tokens=4,
+        metadata={"session": "s"},
+    )
+    rec = fleet.done(then.request_id)
+    assert (rec.route, rec.routed_to, fleet.taken(then.request_id)) == ("session", other, None)
     c.cancel(busy.request_id)
     wait_terminal(fleet.r, fleet.keys, busy.request_id)
 
@@ -203,7 +220,11 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
     c = fleet.client
     quick = c.submit("a prompt for the overflow pool", max_tokens=3)
     rec = fleet.done(quick.request_id)
-    assert rec.route == "overflow:oa" and rec.routed_to == "oa"
+    assert (rec.route, rec.routed_to, fleet.taken(quick.request_id)) == (
+        "shared",
+        "",
+        "overflow:oa",
+    )
     assert rec.started_at is not None and rec.enqueued_at is not None
     assert rec.started_at - rec.enqueued_at >= after_s - 0.01  # (stream id ms vs record's s)
     # with a regular worker beside it, whatever the pool took had waited past the threshold
@@ -211,7 +232,7 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
     handles = [c.submit(f"prompt {i}", max_tokens=3) for i in range(8)]
     for h in handles:
         r = fleet.done(h.request_id)
-        if r.route == "overflow:oa":
+        if fleet.taken(h.request_id) == "overflow:oa":
             assert r.started_at is not None and r.enqueued_at is not None
             assert r.started_at - r.enqueued_at >= after_s - 0.01
 

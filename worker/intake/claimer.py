@@ -32,13 +32,22 @@ Routed streams (README "Routing"): every stream of a served level is scanned, th
 worker's routed one and every other routed worker's (``Keys.routers``): a dead worker's pending
 routed entries, and what a dead stealer took from anyone's, are claimed like shared ones.
 
+Overflow workers (``--overflow-for``, README "Overflow pool"): such a worker takes only work that
+has waited past its threshold, and a dead worker's entry waits from its owner's death on. So
+with ``dead_for_s`` set (its overflow threshold) it claims an entry only once it has found the
+owner without a heartbeat for that long (``_dead_since``, its own observation: heartbeat TTLs
+may differ between workers); regular workers, which claim at once, take such entries first
+whenever they have room, and with no regular worker alive the overflow worker still ends them.
+
 Invariant: an entry whose owner has a live heartbeat is never claimed, except by a process of
-the owner's own name, for entries pending from before that process started, or for orphans.
+the owner's own name, for entries pending from before that process started, or for orphans;
+with ``dead_for_s``, neither is one whose owner this worker has not found dead for that long.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from typing import Any
 
@@ -69,6 +78,11 @@ class Claimer:
         # stream -> (entry id, idle ms when listed) of what an earlier process of this name left
         self._inherited: dict[str, list[tuple[str, int]]] = {}
         self._cursor: dict[str, str] = {}  # stream -> where the next scan starts ("(ID")
+        # an overflow worker's threshold (routing_wiring): how long an owner must have been
+        # found dead before its entries are claimed; 0: at once
+        self.dead_for_s = 0.0
+        # owner -> monotonic time this worker first found it dead (kept while it stays dead)
+        self._dead_since: dict[str, float] = {}
 
     def claim_streams(self) -> list[str]:
         """Every stream of the served levels, most urgent level first: shared, this worker's
@@ -195,6 +209,8 @@ class Claimer:
         if budget <= 0:
             return []
         out: list[Entry] = []
+        now = time.monotonic()
+        found_dead: set[str] = set()  # owners found dead this round (with dead_for_s)
         for stream in self.claim_streams():
             inherited = self._inherited.get(stream)
             if inherited:
@@ -239,6 +255,13 @@ class Claimer:
                     pipe.exists(self.keys.worker(owner))
                 alive |= {o for o, n in zip(owners, pipe.execute(), strict=True) if n}
             dead = [mid for mid, owner in candidates if owner == me or owner not in alive]
+            if self.dead_for_s > 0:
+                ripe = self._dead_long_enough([o for o in owners if o not in alive], now)
+                found_dead.update(o for o in owners if o not in alive)
+                ready = [mid for mid, o in candidates if o == me or o in ripe]
+                if len(ready) < len(dead):
+                    self._cursor[stream] = start  # come back once they have waited enough
+                dead = ready
             ids = dead[: budget - len(out)]
             if len(ids) < len(dead):
                 self._cursor[stream] = start  # come back for the rest
@@ -247,7 +270,14 @@ class Claimer:
             out += self._xclaim(stream, ids, min_idle_ms=self.min_idle_ms)
             if len(out) >= budget:
                 break
+        else:  # a whole round: forget owners no longer found dead (taken over, or back)
+            self._dead_since = {o: t for o, t in self._dead_since.items() if o in found_dead}
         return out
+
+    def _dead_long_enough(self, dead: list[str], now: float) -> set[str]:
+        """Of the owners found ``dead`` now, those found dead ``dead_for_s`` ago or earlier."""
+        since = self._dead_since
+        return {o for o in dead if now - since.setdefault(o, now) >= self.dead_for_s}
 
     def _xclaim(self, stream: str, ids: list[str], *, min_idle_ms: int) -> list[Entry]:
         if not ids:

@@ -26,7 +26,7 @@ class Entry:
     priority: Priority
     entry_id: str
     fields: dict[str, bytes]  # id, d, dl, h (raw; any may be missing in a malformed entry)
-    route: str = ""  # how it came: "stolen_by:W" / "overflow:W" (START writes it), else ""
+    route: str = ""  # how it came: "stolen_by:W" / "overflow:W" (START: the record's taken)
 
     @property
     def key(self) -> tuple[str, str]:

@@ -22,6 +22,7 @@ import redis
 
 from tokenfleet.shared.errors import InvalidRequest, ProtocolError
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.prefix_chain import session_hash, session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import GenerationRequest, TerminalStatus, TokenEvent, decode_event
@@ -113,6 +114,7 @@ class Starter:
         pipe = ScriptPipeline(self.client, connection)
         for entry, req in decoded:
             rid = req.request_id
+            repin = self.session_to_repin(entry, req)
             pipe.script(
                 START,
                 [
@@ -121,6 +123,7 @@ class Starter:
                     self.keys.cancel_set,
                     self.keys.tokens(rid),
                     self.keys.drained,
+                    *repin,
                 ],
                 [
                     rid,
@@ -134,12 +137,25 @@ class Starter:
                     req.priority.label,
                     Keys.queue_member(req.model, req.priority),
                     entry.route,
+                    *([self.settings.session_ttl_s] if repin else []),
                 ],
             )
         order = self.streams.queue_pull(pipe, budget) if budget > 0 else []
         pipe.send()
         early_ids = [job.request_id for job in early]
         return PendingStart(self, pipe, decoded, early_ids, order, report, budget if order else 0)
+
+    def session_to_repin(self, entry: Entry, req: GenerationRequest) -> list[str]:
+        """The session key ``START`` pins to this worker (``[]``: none): a stolen turn's
+        history is here now, so its session's next turn should come here too. The key is
+        derived as the producer derived it (``enqueue_keys_args``): from the request's
+        ``metadata`` (``session`` or ``user``) and its model."""
+        if not entry.route.startswith("stolen_by:"):
+            return []
+        session = session_of(req.metadata)
+        if session is None:
+            return []
+        return [self.keys.session(session_hash(f"{req.model}|{session}"))]
 
     def started(
         self,

@@ -7,7 +7,10 @@ busy worker while another idles. So a worker with room left after its own reads 
 undelivered entries age and are stolen like a busy one's), the undelivered entries older than
 ``steal_after_ms`` (stream id time against Redis's ``TIME``) are read under this worker's name in
 the same consumer group. A stolen entry is then an ordinary pending entry of this worker:
-started, acked, claimed if it dies, handed back (to the shared stream) like any other.
+started, acked, claimed if it dies, handed back (to the shared stream) like any other. Its
+``START`` notes the steal in the record's ``taken`` (``route`` and ``routed_to`` keep where it was
+routed and why) and pins the request's session, if it has one, to this worker: the turn's
+history is here now, so the session's next turn should come here (``Starter.session_to_repin``).
 
 Overflow pool (``--overflow-for``): the same script over the model's shared streams as well,
 with the overflow threshold as the age: such a worker takes only work that has waited that long

@@ -15,14 +15,21 @@ is removed on exit (peers may serve the same model; the expiry ends it), and ent
 
 Routing (README "Routing"): a worker that takes routed work also sets its own score in
 ``P:routers:MODEL`` to its heartbeat's expiry (the enqueue script routes only to workers whose
-score is in the future; it stays listed after its death so that stealers and claimers find its
-routed stream) and its load, ``running`` and ``max_num_seqs``, in ``P:rload:MODEL`` (what the
-enqueue script weighs: a producer may write routing keys, never a worker's heartbeat) with its
-longest step since the last beat in milliseconds (stealers wait a few of its steps before they
-take its routed work: it reads new work at every step's end) and the levels it serves (it is
-a routing target only for those), and
+score is in the future; it stays listed after its death so that stealers and claimers, which
+know routed streams only from that set, find its routed stream) and its load, ``running`` and
+``max_num_seqs``, in ``P:rload:MODEL`` (what the enqueue script weighs: a producer may write
+routing keys, never a worker's heartbeat) with its longest step since the last beat in
+milliseconds (stealers wait a few of its steps before they take its routed work: it reads new
+work at every step's end) and the levels it serves (it is a routing target only for those), and
 publishes the changes of its ``PrefixSet`` to ``P:pfx:NAME``, which expires
 with the heartbeat; every ``RESYNC_BEATS``-th beat (and the first) rewrites that set whole.
+
+Forgetting routed workers: every ``FORGET_INTERVAL_S`` (and at the first beat) a worker looks at
+up to ``FORGET_BATCH`` names of its model's routers set that lapsed ``LAPSED_KEEP_S`` ago and
+forgets those whose routed streams are all empty (``FORGET_ROUTERS``: atomic with the check; it
+deletes the streams and the name's ``P:rload`` field too, so keys do not pile up with every
+``HOST-PID`` restart). A name whose routed stream still holds an entry, waiting or pending, stays
+listed until that entry has been taken and has ended: a request is never orphaned there.
 """
 
 from __future__ import annotations
@@ -34,11 +41,18 @@ from typing import Any
 
 import redis
 
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import PRIORITIES
+from tokenfleet.shared.record import as_str
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.worker import FORGET_ROUTERS
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.service.prefix_set import PrefixSet
 
-LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers
+LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers (and, once
+# its routed streams are empty, its model's routers set)
+FORGET_INTERVAL_S = 30.0  # how often a worker looks for lapsed routed workers to forget
+FORGET_BATCH = 16  # lapsed routed workers looked at per look
 RESYNC_BEATS = 30  # every this many beats the published prefix set is rewritten whole
 
 
@@ -66,6 +80,9 @@ class Heartbeat:
         # only for those: the load's 4th field)
         self._beats = 0
         self._longest_step_s = 0.0  # since the last beat
+        self._forget_at = 0.0  # monotonic time of the next look for lapsed routed workers
+        self._forget_offset = 0  # where it starts among them (those kept for their entries
+        # are passed over, so that a full batch of them does not hide the others)
 
     def note_step(self, duration_s: float) -> None:
         """Count one engine step's duration (the longest since the last beat is published)."""
@@ -90,6 +107,9 @@ class Heartbeat:
         if self.prefixes is not None:
             self._route_beat(pipe, now, serving, int(stats.get("running", 0)))
         pipe.execute()
+        if time.monotonic() >= self._forget_at:
+            self._forget_at = time.monotonic() + FORGET_INTERVAL_S
+            self.forget_lapsed_routers(now)
 
     def _route_beat(self, pipe: Any, now: float, serving: bool, running: int) -> None:
         """Queue the routing part of a beat (module doc) into ``pipe``."""
@@ -115,8 +135,32 @@ class Heartbeat:
             step_ms = math.ceil(self._longest_step_s * 1000)
             load = f"{running} {self.max_num_seqs} {step_ms} {self.levels}".rstrip()
             pipe.hset(self.keys.route_load(self.model_name), self.worker_name, load)
-        pipe.zremrangebyscore(routers, "-inf", now - LAPSED_KEEP_S)
         self._longest_step_s = 0.0
+
+    def forget_lapsed_routers(self, now: float) -> list[str]:
+        """Forget up to ``FORGET_BATCH`` routed workers of this model that lapsed
+        ``LAPSED_KEEP_S`` before ``now`` and whose routed streams are empty (module doc); one
+        round trip, two when there are any. Returns the names forgotten."""
+        model = self.model_name
+        routers = self.keys.routers(model)
+        cutoff = now - LAPSED_KEEP_S
+        members: Any = self.client.zrangebyscore(
+            routers, "-inf", cutoff, start=self._forget_offset, num=FORGET_BATCH
+        )
+        names = [as_str(m) or "" for m in members]
+        if not names:
+            self._forget_offset = 0
+            return []
+        keys = [routers, self.keys.route_load(model)]
+        for name in names:
+            keys += [self.keys.routed(model, p, name) for p in PRIORITIES]
+        args: list[str | int] = [repr(cutoff), CONSUMER_GROUP, len(PRIORITIES), *names]
+        forgotten = [
+            as_str(n) or "" for n in registry.call(self.client, FORGET_ROUTERS, keys, args)[1:]
+        ]
+        kept = len(names) - len(forgotten)
+        self._forget_offset = self._forget_offset + kept if len(names) == FORGET_BATCH else 0
+        return forgotten
 
     def remove(self) -> None:
         """Delete the heartbeat: this worker's leftover entries become claimable at once."""
