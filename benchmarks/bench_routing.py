@@ -155,12 +155,12 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
     fleet.start()
     if name == "rr":  # pin session rr-i to worker i (the enqueue script keeps a live pin)
         from tokenfleet.shared.keys import Keys
-        from tokenfleet.shared.prefix_chain import session_hash
+        from tokenfleet.shared.prefix_chain import model_session_hash
 
         pins = redis.Redis.from_url(url)
         keys = Keys(prefix)
         for i, worker in enumerate(fleet.names):
-            pins.set(keys.session(session_hash(f"default|rr-{i}")), worker, ex=3600)
+            pins.set(keys.session(model_session_hash("default", f"rr-{i}")), worker, ex=3600)
         pins.close()
     listener = Listener(url, prefix)
     submitted = [0]  # turns submitted so far (round-robin)
@@ -216,9 +216,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                         continue
                     progressed = True
                     rec = client.status(rid)
-                    side.routes[rec.route.split(":")[0]] = (
-                        side.routes.get(rec.route.split(":")[0], 0) + 1
-                    )
+                    how = (rec.taken or rec.route).split(":")[0]  # stolen_by / overflow / route
+                    side.routes[how] = side.routes.get(how, 0) + 1
                     history[c] = [*history[c], {"role": "assistant", "content": rec.text or ""}]
                     del current[c]
                     turn[c] += 1

@@ -87,3 +87,9 @@ def session_of(metadata: Mapping[str, Any] | None) -> str | None:
 def session_hash(session: str) -> str:
     """The hash naming a session's key (``Keys.session``): any text becomes a safe key part."""
     return hashlib.blake2b(session.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+def model_session_hash(model: str, session: str) -> str:
+    """What names a session of ``model`` (``Keys.session``): the producer pins it at enqueue, a
+    worker that steals the session's request re-pins it (one definition for both)."""
+    return session_hash(f"{model}|{session}")

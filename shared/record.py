@@ -16,9 +16,12 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
                     when the client chose the id, else absent; a resubmit under the same id must
                     match it, see ``request_fingerprint``)
     route           how routing placed it: "prefix:N" (N leading chain links matched),
-                    "session", "stolen_by:W" / "overflow:W" (taken by W after waiting);
+                    "session";
                     absent: "shared" (README "Routing")
-    routed_to       the worker of its routed stream, or the one that took it; absent: none
+    routed_to       the worker of its routed stream; absent: none (both kept when another
+                    worker takes it)
+    taken           another worker took it after it waited: "stolen_by:W" (from a routed
+                    stream) or "overflow:W" (an overflow worker); absent: nobody
     waiting_on      the model, when the request was accepted while no live worker served it
                     (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)
@@ -99,8 +102,9 @@ class RequestRecord:
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
     waiting_on: str = ""  # the model it waits on: accepted while no live worker served it
-    route: str = "shared"  # why it went where: prefix:N | session | shared | stolen_by:W | ...
-    routed_to: str = ""  # the worker whose routed stream it went to (or that stole it)
+    route: str = "shared"  # why it went where: prefix:N | session | shared
+    routed_to: str = ""  # the worker whose routed stream it went to
+    taken: str = ""  # stolen_by:W | overflow:W when another worker took it after it waited
 
     @classmethod
     def from_hash(
@@ -136,6 +140,7 @@ class RequestRecord:
             waiting_on=h.get("waiting_on") or "",
             route=h.get("route") or "shared",
             routed_to=h.get("routed_to") or "",
+            taken=h.get("taken") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,4 +167,5 @@ class RequestRecord:
             "waiting_on": self.waiting_on,
             "route": self.route,
             "routed_to": self.routed_to,
+            "taken": self.taken,
         }

@@ -114,6 +114,10 @@ def describe(record: RequestRecord) -> list[str]:
     ]
     if record.worker:
         rows.append(("worker", record.worker))
+    route = record.route + (f" -> {record.routed_to}" if record.routed_to else "")
+    if record.taken:  # another worker took it after it waited
+        route += f", taken: {record.taken}"
+    rows.append(("route", route))
     if record.waiting_on and not record.status.is_terminal:
         # set at submit while no live worker served its model; a worker's start clears it
         rows.append(

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.prefix_chain import session_hash
+from tokenfleet.shared.prefix_chain import model_session_hash
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fingerprint
@@ -165,7 +165,7 @@ def enqueue_keys_args(
         base = 7 + len(route_keys)
         for item in items:
             if item.session is not None:
-                name = keys.session(session_hash(f"{model}|{item.session}"))
+                name = keys.session(model_session_hash(model, item.session))
                 if name not in session_at:
                     session_at[name] = base + len(session_at)
         route_keys += list(session_at)
@@ -181,7 +181,7 @@ def enqueue_keys_args(
         key_list.append(record(item.request_id))
         session = ""
         if route is not None and item.session is not None:
-            session = str(session_at[keys.session(session_hash(f"{model}|{item.session}"))])
+            session = str(session_at[keys.session(model_session_hash(model, item.session))])
         args += [
             item.request_id,
             item.payload,

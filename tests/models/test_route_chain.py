@@ -53,12 +53,13 @@ def check_chains_are_cached(model_dir: Path, block_size: int, *, chat_only: bool
     adapter = EngineAdapter(engine, lambda req: SamplingParams(max_tokens=1), avg_prompt_tokens=0.0)
     settings = Settings(redis_url="redis://127.0.0.1:1", key_prefix="rc")
     long_text = ("The quick brown fox jumps over the lazy dog. " * 40 + "Ünïcödé ✓ 東京. ") * 3
-    cases: list[dict[str, Any]] = [
+    all_cases: list[dict[str, Any]] = [
         {"messages": CONVERSATION},
         {"messages": CONVERSATION[:2]},
         {"prompt": long_text},
         {"prompt": list(range(3, 3 + 40 * block_size))},
-    ][: 2 if chat_only else None]
+    ]
+    cases = all_cases[:2] if chat_only else all_cases
     router.max_chars = 2000  # the long text is cut: the tokens nearest the cut are left out
     chains = []
     for n, case in enumerate(cases):

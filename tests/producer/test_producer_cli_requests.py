@@ -19,9 +19,11 @@ import redis
 from producer_helpers import FakeWorker
 
 from tokenfleet.producer import AsyncClient, Client
+from tokenfleet.producer.commands.output import describe
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import GenerationRequest
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
@@ -59,6 +61,7 @@ def test_get_shows_the_state_then_the_text(
     assert main(["get", "g1", *args]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "status   running" in out and "tokens   1" in out and "worker   fake-worker" in out
+    assert "route    shared" in out  # no routing target: the shared stream
     worker.emit(rid, 1, ["lo"])
     worker.finish(rid, num_tokens=2, text="Hello")
     assert main(["get", "g1", *args]) == 0
@@ -242,3 +245,18 @@ def test_the_async_client_refuses_unknown_keywords_too(settings: Settings) -> No
 
     with pytest.raises(InvalidRequest, match=r"unknown request parameter.*: bogus"):
         asyncio.run(submit())
+
+
+def test_get_says_where_routing_sent_a_request_and_who_took_it() -> None:
+    raw: dict[bytes | str, bytes | str] = {
+        "status": "done",
+        "route": "session",
+        "routed_to": "gpu-0",
+        "taken": "stolen_by:gpu-1",
+    }
+    record = RequestRecord.from_hash("r1", raw)
+    assert record is not None and record.taken == "stolen_by:gpu-1"
+    assert "route    session -> gpu-0, taken: stolen_by:gpu-1" in describe(record)
+    assert record.to_dict()["taken"] == "stolen_by:gpu-1"
+    plain = RequestRecord.from_hash("r2", {"status": "queued"})
+    assert plain is not None and "route    shared" in describe(plain)

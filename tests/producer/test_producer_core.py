@@ -102,6 +102,7 @@ def test_submit_with_routing_computes_the_chain_with_the_published_route_tokeniz
         fields = {k.encode(): v.encode() for k, v in spec.to_hash().items()}
         plan.send(fields)  # -> the routers
         enqueue = plan.send([b"w1"])
+        assert isinstance(enqueue, RunScript)
         chain = prefix_chain([1, 2, 3, 4, 5, 6, 7], 2)  # the words' ids, in 2-token blocks
         assert len(chain) == 3 and " ".join(chain) in enqueue.args
     finally:

@@ -1,6 +1,7 @@
 """Routing in the enqueue script and the steal script, against the real server (Lua): session
 and prefix choices, liveness and load, bounds over shared + routed streams, drop-oldest across
-them, and stealing only aged, undelivered entries. Plus the prefix chain and the worker's LRU."""
+them, and stealing only aged, undelivered entries. Plus the prefix chain and the worker's
+prefix set."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ from typing import Any
 import pytest
 import redis
 
+from tokenfleet.shared.block_hash import hash_block
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.prefix_chain import MAX_LINKS, prefix_chain, session_hash, session_of
+from tokenfleet.shared.prefix_chain import (
+    MAX_LINKS,
+    link_of,
+    model_session_hash,
+    prefix_chain,
+    session_of,
+)
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.scripts import registry
@@ -22,7 +30,8 @@ from tokenfleet.worker.intake.streams import PriorityStreams
 from tokenfleet.worker.service.prefix_set import PrefixSet
 
 P = Priority.NORMAL
-MSGS = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+TWO_BLOCKS = list(range(33))  # 16-token blocks: two full blocks before the last token
+CHAIN = prefix_chain(TWO_BLOCKS, 16)  # two links
 
 
 @pytest.fixture
@@ -60,25 +69,33 @@ def _next_ms(r: redis.Redis) -> None:
         pass
 
 
-def test_the_chain_is_per_message_or_per_full_chunk_and_bounded() -> None:
-    one, two = prefix_chain(messages=MSGS[:1]), prefix_chain(messages=MSGS)
+def test_the_chain_is_the_block_hashes_at_link_positions_and_bounded() -> None:
+    one, two = prefix_chain(TWO_BLOCKS[:17], 16), CHAIN
     assert len(one) == 1 and two[:1] == one and len(two) == 2
-    assert prefix_chain(prompt="x" * 255) == ()  # no full chunk yet
-    assert len(prefix_chain(prompt="x" * 600)) == 2
-    assert len(prefix_chain(messages=MSGS * 20)) == MAX_LINKS
+    first = hash_block(None, TWO_BLOCKS[:16])
+    assert one == (link_of(first),) and two[1] == link_of(hash_block(first, TWO_BLOCKS[16:32]))
+    assert prefix_chain(TWO_BLOCKS[:16], 16) == ()  # no full block before the last token
+    assert len(prefix_chain(list(range(100_000)), 16)) == MAX_LINKS
     assert session_of({"user": "u1"}) == "u1" and session_of({"session": "s", "user": "u"}) == "s"
     assert session_of(None) is None
 
 
-def test_the_prefix_set_is_a_bounded_lru_and_reports_its_changes() -> None:
-    lru = PrefixSet(3)
-    lru.note(["a", "b"])
-    assert lru.changes() == (["a", "b"], [])
-    lru.note(["c", "a", "d"])  # b is the least recently used: evicted
-    assert len(lru) == 3 and lru.changes() == (["c", "d"], ["b"])
-    lru.note(["e", "f"])  # c and a go, and e, f never published before are just added
-    assert lru.changes() == (["e", "f"], ["a", "c"])
-    assert sorted(lru.snapshot()) == ["d", "e", "f"]
+def test_the_prefix_set_follows_the_engines_cache_and_reports_its_changes() -> None:
+    held = PrefixSet()
+    a, b, c, d = (bytes([n]) * 16 for n in range(4))
+    held.cached(0, a)
+    held.cached(1, b)
+    held.cached(8, c)  # block 8 is not at a link position (0-7, then 9, 11, ...): not routable
+    assert len(held) == 2 and held.changes() == (sorted([link_of(a), link_of(b)]), [])
+    held.forgotten(a)  # evicted from the engine's cache: leaves the published set
+    held.cached(9, d)
+    held.forgotten(c)  # never a link: nothing to publish
+    assert held.changes() == ([link_of(d)], [link_of(a)])
+    held.cached(2, a)
+    held.forgotten(a)  # in and out between two beats: nothing to publish
+    assert held.changes() == ([], []) and sorted(held.snapshot()) == sorted(
+        [link_of(b), link_of(d)]
+    )
 
 
 def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, keys: Keys) -> None:
@@ -87,7 +104,7 @@ def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, key
     assert first.route == "session" and first.routed_to in ("wa", "wb")
     home = first.routed_to
     assert _submit(r, keys, "r2", session="s").routed_to == home  # pinned
-    chain = prefix_chain(messages=MSGS)
+    chain = CHAIN
     other = "wb" if home == "wa" else "wa"
     r.sadd(keys.prefixes(other), chain[0])
     rec = _submit(r, keys, "r3", chain=chain)
@@ -101,9 +118,9 @@ def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, key
 def test_dead_or_overloaded_workers_are_not_targets(r: redis.Redis, keys: Keys) -> None:
     _live(r, keys, "wa", running=8, cap=4)  # load 8 >= 2 * 4
     r.zadd(keys.routers("default"), {"wb": time.time() - 1})  # lapsed
-    r.sadd(keys.prefixes("wa"), *prefix_chain(messages=MSGS))
-    r.sadd(keys.prefixes("wb"), *prefix_chain(messages=MSGS))
-    rec = _submit(r, keys, "r1", session="s", chain=prefix_chain(messages=MSGS))
+    r.sadd(keys.prefixes("wa"), *CHAIN)
+    r.sadd(keys.prefixes("wb"), *CHAIN)
+    rec = _submit(r, keys, "r1", session="s", chain=CHAIN)
     assert rec.route == "shared" and rec.routed_to == ""
 
 
@@ -113,12 +130,12 @@ def test_a_worker_is_a_target_only_for_the_levels_it_serves(r: redis.Redis, keys
     _live(r, keys, "batchy", "both")
     r.hset(keys.route_load("default"), "batchy", "0 4 40 batch")
     r.hset(keys.route_load("default"), "both", "5 8 40 critical,normal")  # busier
-    r.sadd(keys.prefixes("batchy"), *prefix_chain(messages=MSGS))
-    rec = _submit(r, keys, "r1", session="s", chain=prefix_chain(messages=MSGS))
+    r.sadd(keys.prefixes("batchy"), *CHAIN)
+    rec = _submit(r, keys, "r1", session="s", chain=CHAIN)
     assert (rec.route, rec.routed_to) == ("session", "both")
     r.hset(keys.route_load("default"), "both", "0 4 40")  # no levels: every level
-    r.set(keys.session(session_hash("default|s")), "batchy")  # pinned to the batch worker
-    rec = _submit(r, keys, "r2", session="s", chain=prefix_chain(messages=MSGS))
+    r.set(keys.session(model_session_hash("default", "s")), "batchy")  # pinned to the batch worker
+    rec = _submit(r, keys, "r2", session="s", chain=CHAIN)
     assert (rec.route, rec.routed_to) == ("session", "both")
 
 

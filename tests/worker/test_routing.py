@@ -22,9 +22,11 @@ import redis
 from worker_helpers import WorkerProc, record, wait_for, wait_terminal
 
 from tokenfleet.producer import Client
+from tokenfleet.producer.core.client_core import build_route_tokenizer
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.prefix_chain import prefix_chain, session_hash
+from tokenfleet.shared.prefix_chain import model_session_hash
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -116,11 +118,26 @@ def test_a_sessions_turns_stay_on_its_worker_and_a_shared_prefix_follows_its_hol
     rec2 = fleet.done(second.request_id)
     assert (rec2.route, rec2.routed_to) == ("session", home)
     # no session: the longest cached prefix picks the worker (once its set is published)
+    # (the chain: the engine's own block hashes, tokenized as the workers published how)
     convo = _turn("hi", "hello", "more")
-    fleet.holds(home, prefix_chain(messages=convo))
-    third = c.submit(messages=[*convo, {"role": "assistant", "content": "x"}], max_tokens=4)
+    spec: Any = fleet.r.hgetall(fleet.keys.route_tokenizer("default"))  # bytes -> bytes
+    router = build_route_tokenizer(spec, "default")
+    assert router is not None, "the workers published no route tokenizer"
+    held = router.chain(messages=convo)
+    assert len(held) >= 4
+    fleet.holds(home, held)  # what the second turn left in home's prefix cache
+    published = {as_str(x) for x in fleet.r.smembers(fleet.keys.prefixes(home))}
+    later = [*convo, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    third = c.submit(messages=later, max_tokens=4)
     rec3 = fleet.done(third.request_id)
-    assert rec3.route == f"prefix:{len(convo)}" and rec3.routed_to == home
+    chain3 = router.chain(messages=later)
+    matched = 0
+    while matched < len(chain3) and chain3[matched] in published:
+        matched += 1
+    assert matched >= len(held) - 1 >= 3  # the same history, up to the new turn's block
+    assert rec3.route == f"prefix:{matched}" and rec3.routed_to == home
+    other = "rb" if home == "ra" else "ra"
+    assert not fleet.r.smismember(fleet.keys.prefixes(other), list(held))[-1]
     # a prompt nobody holds and no session: the shared stream
     fourth = c.submit(messages=[{"role": "user", "content": "unseen"}], max_tokens=4)
     assert fleet.done(fourth.request_id).route == "shared"
@@ -148,7 +165,7 @@ def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet
     assert fleet.taken(quick.request_id) == f"stolen_by:{other}"
     assert running() == home  # the session's worker was busy all along
     # the session follows its stolen turn: the next turn goes where that turn's history is
-    assert fleet.r.get(fleet.keys.session(session_hash("default|s"))) == other.encode()
+    assert fleet.r.get(fleet.keys.session(model_session_hash("default", "s"))) == other.encode()
     then = c.submit(
         messages=_turn("go on", "ok", "short", "done", "next"),
         max_tokens=4,

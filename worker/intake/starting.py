@@ -22,7 +22,7 @@ import redis
 
 from tokenfleet.shared.errors import InvalidRequest, ProtocolError
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.prefix_chain import session_hash, session_of
+from tokenfleet.shared.prefix_chain import model_session_hash, session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import GenerationRequest, TerminalStatus, TokenEvent, decode_event
@@ -155,7 +155,7 @@ class Starter:
         session = session_of(req.metadata)
         if session is None:
             return []
-        return [self.keys.session(session_hash(f"{req.model}|{session}"))]
+        return [self.keys.session(model_session_hash(req.model, session))]
 
     def started(
         self,

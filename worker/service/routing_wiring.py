@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -78,4 +78,4 @@ def publish_route_spec(client: redis.Redis, keys: Keys, model: str, spec: RouteS
     key = keys.route_tokenizer(model)
     digest = spec.digest
     if client.hget(key, "digest") != digest.encode():
-        client.hset(key, mapping=spec.to_hash())
+        client.hset(key, mapping=cast(Any, spec.to_hash()))  # str -> str: redis-py's stubs
