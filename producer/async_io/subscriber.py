@@ -108,9 +108,16 @@ class AsyncSubscriber:
         except RuntimeError:
             self._broken = True  # called from a finalizer outside the loop: resubscribe fresh
             return
-        task = loop.create_task(self._send(self._commands[1], channel))
+        task = loop.create_task(self._unsubscribe_later(channel))
         self._pending_sends.add(task)
         task.add_done_callback(self._pending_sends.discard)
+
+    async def _unsubscribe_later(self, channel: str) -> None:
+        # A mailbox may listen to the channel again before this task runs (a handle closed
+        # and read again, a resumed stream): its SUBSCRIBE is already out, and this stale
+        # UNSUBSCRIBE would end it on the server, so nothing would reach it until a recheck.
+        if channel not in self._table.channels:
+            await self._send(self._commands[1], channel)
 
     async def aclose(self) -> None:
         """Stop the reader task and drop the connection."""

@@ -116,9 +116,12 @@ class HandleCore:
         return f"{type(self).__name__}({self.request_id!r})"
 
     def close(self) -> None:
-        """Release the subscription (idempotent)."""
+        """Release the subscription (idempotent). A later read subscribes again and re-reads the
+        record (a closed mailbox receives nothing: keeping it made a later ``result()`` wait a
+        whole ``recheck_s`` for its end)."""
         if self._finalizer is not None:
             self._finalizer()
+        self._sub, self._finalizer = None, None
 
     # -- plans the faces run --------------------------------------------------------------------
     def _start_at(self, from_index: int) -> Plan[None]:
@@ -160,7 +163,6 @@ class HandleCore:
     def _detach(self) -> None:
         """Release the subscription and forget it: the next read subscribes again."""
         self.close()
-        self._sub, self._finalizer = None, None
 
     def _backfill(self, from_index: int) -> Plan[None]:
         key = self._client._keys.tokens(self.request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from tokenfleet.producer import (
     RequestFailed,
     UnknownRequest,
 )
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 
@@ -171,3 +173,51 @@ def test_an_unconfirmed_subscription_fails_the_read_not_the_request(
         assert (await handle.result(timeout=30)).text == "ab"
 
     run(settings, body, subscribe_timeout_s=0.5)
+
+
+def test_a_channel_listened_to_again_right_after_a_close_still_gets_messages(
+    settings: Settings, r: redis.Redis
+) -> None:
+    """A mailbox closed and another opened on the same channel in one go (a handle closed
+    then read again, a resumed stream): the stale UNSUBSCRIBE must not end the new one."""
+
+    async def body(client: AsyncClient) -> None:
+        sub = client._subscriber
+        first = await sub.subscribe("tft:ch:again", timeout=5)
+        first.close()
+        again = await sub.subscribe("tft:ch:again", timeout=5)
+        await asyncio.sleep(0)  # the closed mailbox's background task runs now
+        assert r.publish("tft:ch:again", b"hello") == 1
+        assert await again.get(timeout=10) == b"hello"
+        again.close()
+
+    run(settings, body)
+
+
+def test_a_closed_handle_reads_again_on_a_fresh_subscription(
+    settings: Settings, worker: FakeWorker, r: redis.Redis
+) -> None:
+    async def body(client: AsyncClient) -> None:
+        handle = await client.submit("hi", max_tokens=8)
+        rid = await asyncio.to_thread(worker.take)
+        await asyncio.to_thread(worker.emit, rid, 0, ["a"])
+        events = handle.stream()
+        assert isinstance(await anext(events), TokenEvent)
+        handle.close()
+        assert handle._sub is None  # released and forgotten: the next read subscribes again
+        channel = Keys(settings.key_prefix).channel(rid)
+
+        def finish_once_listened_to() -> None:  # the rest comes over the new subscription
+            deadline = time.monotonic() + 20
+            while not r.pubsub_numsub(channel)[0][1]:
+                assert time.monotonic() < deadline, "the handle never subscribed again"
+                time.sleep(0.005)
+            worker.emit(rid, 1, ["b"])
+            worker.finish(rid, num_tokens=2, text="ab")
+
+        finishing = asyncio.create_task(asyncio.to_thread(finish_once_listened_to))
+        result = await handle.result(timeout=30)
+        await finishing
+        assert result.text == "ab"
+
+    run(settings, body, recheck_s=60.0)  # a lost subscription would show as a timeout
