@@ -47,16 +47,22 @@ local function new_router(base, names, now, session_ttl, undelivered, level)
     end
     return best
   end
+  -- The holder of the longest cached run, weighed against its load: a candidate scores its
+  -- matched links minus its load in units of its max_num_seqs (a full batch of work ahead of
+  -- the request costs one link); the best positive score wins, the less loaded on a tie. No
+  -- positive score: no useful match (the caller sends it to the shared stream).
   function r.longest(chain)
     if #chain == 0 then return nil, 0 end
-    local best, best_m = nil, 0
+    local best, best_m, best_score = nil, 0, 0
     for c = 1, r.n do
       if r.eligible(c) then
         local hits = redis.call('SMISMEMBER', KEYS[base + 2 * c], unpack(chain))
         local m = 0
         while m < #hits and hits[m + 1] == 1 do m = m + 1 end
-        if m > best_m or (m == best_m and m > 0 and r.load[c] < r.load[best]) then
-          best, best_m = c, m
+        local score = m - r.load[c] / r.cap[c]
+        if m > 0 and score > 0 and (score > best_score
+            or (score == best_score and r.load[c] < r.load[best])) then
+          best, best_m, best_score = c, m, score
         end
       end
     end

@@ -98,6 +98,24 @@ def test_the_prefix_set_follows_the_engines_cache_and_reports_its_changes() -> N
     )
 
 
+def test_a_longer_match_is_weighed_against_its_holders_load(r: redis.Redis, keys: Keys) -> None:
+    """Score = links matched - load / max_num_seqs: the best positive score wins."""
+    chain = prefix_chain(list(range(16 * 4 + 1)), 16)  # four links
+    _live(r, keys, "busy", running=6, cap=4)  # 1.5 batches of work ahead
+    _live(r, keys, "idle", running=0, cap=4)
+    r.sadd(keys.prefixes("busy"), *chain[:2])  # 2 - 1.5 = 0.5
+    r.sadd(keys.prefixes("idle"), chain[0])  # 1 - 0 = 1: the idle one wins, with less cached
+    rec = _submit(r, keys, "r1", chain=chain)
+    assert (rec.routed_to, rec.route) == ("idle", "prefix:1")
+    r.sadd(keys.prefixes("busy"), *chain[2:])  # 4 - 1.5 = 2.5: now the longer match is worth it
+    rec = _submit(r, keys, "r2", chain=chain)
+    assert (rec.routed_to, rec.route) == ("busy", "prefix:4")
+    r.delete(keys.prefixes("idle"))
+    _live(r, keys, "busy", running=7, cap=4)
+    r.srem(keys.prefixes("busy"), *chain[1:])  # 1 - 1.75 < 0: no useful match
+    assert _submit(r, keys, "r3", chain=chain).route == "shared"
+
+
 def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, keys: Keys) -> None:
     _live(r, keys, "wa", "wb")
     first = _submit(r, keys, "r1", session="s")

@@ -226,9 +226,16 @@ def test_two_models_in_one_fleet_never_mix(fleet: Fleet) -> None:
                 ),
             )
         )
+    # and through the shared streams (no session, a prompt too short for a chain)
+    for i in range(6):
+        model = "m1" if i % 2 == 0 else "m2"
+        handles.append((model, c.submit(f"p{i}", max_tokens=3, model=model)))
     for model, h in handles:
         rec = fleet.done(h.request_id)
-        assert rec.routed_to == {"m1": "ma", "m2": "mb"}[model], rec
+        assert rec.worker == {"m1": "ma", "m2": "mb"}[model] and rec.model == model, rec
+        if rec.route != "shared":
+            assert rec.routed_to == rec.worker, rec
+    assert {fleet.done(h.request_id).route for _, h in handles[6:]} == {"shared"}
 
 
 def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
@@ -244,14 +251,23 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
     )
     assert rec.started_at is not None and rec.enqueued_at is not None
     assert rec.started_at - rec.enqueued_at >= after_s - 0.01  # (stream id ms vs record's s)
-    # with a regular worker beside it, whatever the pool took had waited past the threshold
-    fleet.start("ob")
-    handles = [c.submit(f"prompt {i}", max_tokens=3) for i in range(8)]
+    # with a regular worker beside it (one request at a time, ~8 of them queued: work waits
+    # past the threshold), the pool takes some, and only what had waited past it
+    fleet.start("ob", "--max-num-seqs", "1")
+    handles = [
+        c.submit(f"prompt {i}", max_tokens=150, ignore_eos=True, temperature=0.0)
+        for i in range(8)
+    ]
+    by_pool = 0
     for h in handles:
         r = fleet.done(h.request_id)
         if fleet.taken(h.request_id) == "overflow:oa":
+            by_pool += 1
             assert r.started_at is not None and r.enqueued_at is not None
             assert r.started_at - r.enqueued_at >= after_s - 0.01
+        else:
+            assert r.worker == "ob", r
+    assert 1 <= by_pool < len(handles)
 
 
 def test_with_routing_cancel_deadlines_and_drop_oldest_still_hold(fleet: Fleet) -> None:
