@@ -17,7 +17,8 @@ redis-server, rotating which goes first for ``--rounds`` rounds:
   (``metadata.session``) and prefix chain; the enqueue script sends it to the session's worker;
 * ``rr``: round-robin, the issue's baseline: the n-th turn submitted (over all conversations) goes
   to worker ``n mod 2``, whatever it holds (through the routing machinery itself: two sessions
-  pinned to the two workers before the run, each turn naming session ``n mod 2``);
+  pinned to the two workers, each turn naming session ``n mod 2``; the pin is set again before
+  each turn, since a steal re-pins a session to its stealer);
 * ``off``: ``routing="off"``: every turn goes to the shared stream (the first free worker takes
   it: the fleet's plain load balancing, without routing).
 
@@ -128,6 +129,8 @@ def _session(side: str, conversation: int, n: int, num_workers: int) -> str:
 
 def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
     from tokenfleet.producer import Client
+    from tokenfleet.shared.keys import Keys
+    from tokenfleet.shared.prefix_chain import model_session_hash
     from tokenfleet.shared.settings import Settings
     from tokenfleet.worker.devtools.local_fleet import LocalFleet, delete_prefix
 
@@ -153,15 +156,16 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
         ],
     )
     fleet.start()
-    if name == "rr":  # pin session rr-i to worker i (the enqueue script keeps a live pin)
-        from tokenfleet.shared.keys import Keys
-        from tokenfleet.shared.prefix_chain import model_session_hash
+    pins = redis.Redis.from_url(url) if name == "rr" else None
+    keys = Keys(prefix)
 
-        pins = redis.Redis.from_url(url)
-        keys = Keys(prefix)
-        for i, worker in enumerate(fleet.names):
-            pins.set(keys.session(model_session_hash("default", f"rr-{i}")), worker, ex=3600)
-        pins.close()
+    def pin(n: int) -> None:
+        """Round-robin: session rr-n pinned to worker n, set again before each turn (a steal
+        re-pins a session to its stealer, which would end the round-robin)."""
+        assert pins is not None
+        worker = fleet.names[n]
+        pins.set(keys.session(model_session_hash("default", f"rr-{n}")), worker, ex=3600)
+
     listener = Listener(url, prefix)
     submitted = [0]  # turns submitted so far (round-robin)
     side = Side(name)
@@ -184,6 +188,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                     {"role": "user", "content": f"Question {turn[c]}: what is rule {c}.{turn[c]}?"},
                 ]
                 history[c] = msgs
+                if pins is not None:
+                    pin(submitted[0] % len(fleet.names))
                 t0 = time.time()
                 h = client.submit(
                     messages=msgs,
@@ -235,6 +241,8 @@ def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
                             side.later_ttft_s.append(listener.first[rid] - t0)
     finally:
         listener.close()
+        if pins is not None:
+            pins.close()
         fleet.stop()
         fleet.cleanup()
         delete_prefix(url, prefix)

@@ -70,6 +70,7 @@ class RouteTokenizer:
         self.digest = spec.digest
         self.block_size = spec.block_size
         self._tokenizer = Tokenizer.from_str(spec.tokenizer)
+        self._fast = getattr(self._tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.21
         self._template = _compile(spec.chat_template) if spec.chat_template else None
         self._special = dict(spec.special)
         # tokens the chain can use at most, and (generously) the characters that hold them
@@ -106,9 +107,11 @@ class RouteTokenizer:
 
     def _chain_of_text(self, text: str, *, special: bool) -> tuple[str, ...]:
         cut = len(text) > self.max_chars
-        ids = self._tokenizer.encode(
-            text[: self.max_chars] if cut else text, add_special_tokens=special
-        ).ids
+        piece = text[: self.max_chars] if cut else text
+        if self._fast is not None:  # no offsets computed: about half the time
+            ids = self._fast([piece], add_special_tokens=special)[0].ids
+        else:
+            ids = self._tokenizer.encode(piece, add_special_tokens=special).ids
         if cut:
             ids = ids[: max(0, len(ids) - _CUT_MARGIN_TOKENS)]
         return prefix_chain(ids, self.block_size)
