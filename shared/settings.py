@@ -19,6 +19,8 @@ from tokenfleet.shared.errors import SettingsError
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _URL_SCHEMES = ("redis", "rediss", "unix")
+# prefix: by cached prefix and session; session: by session only (no tokenizing); off: none
+ROUTING_MODES = ("prefix", "session", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class Settings:
         redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
         routing: ``prefix`` (the default): a producer routes a request to the live worker
             holding its longest cached prefix, or its session's worker (README "Routing");
+            ``session``: by session only (the producer tokenizes nothing: a cheaper submit);
             ``off``: every request goes to its queue's shared stream. A worker with ``off``
             publishes nothing and is never a routing target (it still steals).
         session_ttl_s: how long a session stays pinned to its worker after its last request.
@@ -88,8 +91,10 @@ class Settings:
     session_ttl_s: int = 600
 
     def __post_init__(self) -> None:
-        if self.routing not in ("prefix", "off"):
-            raise SettingsError(f"routing must be 'prefix' or 'off', got {self.routing!r}")
+        if self.routing not in ROUTING_MODES:
+            raise SettingsError(
+                f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}"
+            )
         validate_redis_url(self.redis_url)
         validate_mode(self)
         if not _PREFIX_RE.match(self.key_prefix):

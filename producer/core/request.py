@@ -125,8 +125,9 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
     prepared = Prepared.of(
         request, settings.max_payload_bytes, chosen_id=params.get("request_id") is not None
     )
-    if settings.routing != "off":  # the chain needs the model's tokenizer: the client adds it
+    if settings.routing != "off":
         prepared.session = session_of(request.metadata)
+    if settings.routing == "prefix":  # the chain needs the model's tokenizer: the client adds it
         prepared.route_input = (request.prompt, request.messages, request.prompt_token_ids)
     return prepared
 
@@ -285,7 +286,7 @@ def prepare_many(
     out: list[Prepared] = []
     templates: dict[tuple[Any, ...], _Template] = {}
     max_bytes = settings.max_payload_bytes
-    chains = settings.routing != "off"
+    chains = settings.routing == "prefix"
     fresh_ids = os.urandom(16 * len(specs)).hex()  # one call: 32 hex characters per request
     for i, spec in enumerate(specs):
         try:

@@ -258,14 +258,22 @@ def test_queue_stats_count_the_routed_streams_too(
         assert (row.length, row.running, row.waiting) == (2, 1, 1)
 
 
-def test_routing_is_prefix_or_off() -> None:
+def test_routing_is_prefix_session_or_off() -> None:
+    from tokenfleet.producer.core.request import prepare
     from tokenfleet.shared.errors import SettingsError
     from tokenfleet.shared.settings import Settings
 
     assert Settings().routing == "prefix"
     assert Settings.from_env({"TOKENFLEET_ROUTING": "off"}).routing == "off"
-    with pytest.raises(SettingsError, match="routing"):
+    with pytest.raises(SettingsError, match="routing must be one of prefix, session, off"):
         Settings(routing="random")
+    params = {"prompt": "p" * 300, "metadata": {"session": "s"}}
+    by_mode = {m: prepare(Settings(routing=m), now=0.0, **params) for m in ("prefix", "session")}
+    by_mode["off"] = prepare(Settings(routing="off"), now=0.0, **params)
+    # prefix: its session and what its chain is computed from; session: the session only
+    assert by_mode["prefix"].session == "s" and by_mode["prefix"].route_input is not None
+    assert by_mode["session"].session == "s" and by_mode["session"].route_input is None
+    assert by_mode["off"].session is None and by_mode["off"].route_input is None
 
 
 def test_a_lapsed_router_is_forgotten_only_once_its_routed_streams_are_empty(
