@@ -255,8 +255,7 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
     # past the threshold), the pool takes some, and only what had waited past it
     fleet.start("ob", "--max-num-seqs", "1")
     handles = [
-        c.submit(f"prompt {i}", max_tokens=150, ignore_eos=True, temperature=0.0)
-        for i in range(8)
+        c.submit(f"prompt {i}", max_tokens=150, ignore_eos=True, temperature=0.0) for i in range(8)
     ]
     by_pool = 0
     for h in handles:
