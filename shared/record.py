@@ -11,6 +11,7 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
     deadline        epoch seconds by which it must have started; absent or "" for none
     num_tokens      token events published so far (== length of the token list); absent: 0
     worker          name of the worker running it; absent or "" when none
+    ran_on          name of the last worker that started it (kept after it ends); absent: none
     attempts        how many workers have taken it (the poison guard counts these); absent: 0
     fingerprint     hash of the request body without its times (set by the enqueue script
                     when the client chose the id, else absent; a resubmit under the same id must
@@ -105,6 +106,7 @@ class RequestRecord:
     route: str = "shared"  # why it went where: prefix:N | session | shared
     routed_to: str = ""  # the worker whose routed stream it went to
     taken: str = ""  # stolen_by:W | overflow:W when another worker took it after it waited
+    ran_on: str = ""  # the last worker that started it (``worker`` is cleared at the end)
 
     @classmethod
     def from_hash(
@@ -141,6 +143,7 @@ class RequestRecord:
             route=h.get("route") or "shared",
             routed_to=h.get("routed_to") or "",
             taken=h.get("taken") or "",
+            ran_on=h.get("ran_on") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,4 +171,5 @@ class RequestRecord:
             "route": self.route,
             "routed_to": self.routed_to,
             "taken": self.taken,
+            "ran_on": self.ran_on,
         }

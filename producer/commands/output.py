@@ -114,6 +114,8 @@ def describe(record: RequestRecord) -> list[str]:
     ]
     if record.worker:
         rows.append(("worker", record.worker))
+    elif record.ran_on:  # ended: who ran it last
+        rows.append(("ran on", record.ran_on))
     route = record.route + (f" -> {record.routed_to}" if record.routed_to else "")
     if record.taken:  # another worker took it after it waited
         route += f", taken: {record.taken}"

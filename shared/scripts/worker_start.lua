@@ -79,7 +79,8 @@ attempts = attempts + 1
 if attempts > tonumber(ARGV[6]) then
   return {'poison', tostring(attempts - 1)}
 end
-redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'attempts', attempts)
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[2], 'ran_on', ARGV[2],
+           'attempts', attempts)
 if KEYS[5] then  -- a waiting request left its queue: the gateway's Retry-After reads the rate
   redis.call('HINCRBY', KEYS[5], ARGV[10], 1)
 end

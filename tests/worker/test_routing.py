@@ -4,9 +4,9 @@ the overflow pool takes only aged work, and cancel / deadlines / overflow polici
 
 Every wait polls a condition with a deadline (``wait_for``); no test depends on how fast a
 worker is; where a worker is kept busy by a long request, the test checks that it still ran.
-A record's ``worker`` is cleared at the end; ``route`` and ``routed_to`` say where it was routed
-and why, also when another worker took it, which its ``taken`` says (``stolen_by:W``,
-``overflow:W``).
+A record's ``worker`` is cleared at the end (``ran_on`` keeps who ran it); ``route`` and
+``routed_to`` say where it was routed and why, also when another worker took it, which its
+``taken`` says (``stolen_by:W``, ``overflow:W``).
 """
 
 from __future__ import annotations
@@ -232,9 +232,9 @@ def test_two_models_in_one_fleet_never_mix(fleet: Fleet) -> None:
         handles.append((model, c.submit(f"p{i}", max_tokens=3, model=model)))
     for model, h in handles:
         rec = fleet.done(h.request_id)
-        assert rec.worker == {"m1": "ma", "m2": "mb"}[model] and rec.model == model, rec
+        assert rec.ran_on == {"m1": "ma", "m2": "mb"}[model] and rec.model == model, rec
         if rec.route != "shared":
-            assert rec.routed_to == rec.worker, rec
+            assert rec.routed_to == rec.ran_on, rec
     assert {fleet.done(h.request_id).route for _, h in handles[6:]} == {"shared"}
 
 
@@ -265,7 +265,7 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
             assert r.started_at is not None and r.enqueued_at is not None
             assert r.started_at - r.enqueued_at >= after_s - 0.01
         else:
-            assert r.worker == "ob", r
+            assert r.ran_on == "ob", r
     assert 1 <= by_pool < len(handles)
 
 
