@@ -46,6 +46,7 @@ def link_positions(max_blocks: int = 1 << 30) -> tuple[int, ...]:
 
 
 LINK_INDEX = {p: i for i, p in enumerate(link_positions())}  # block index -> link number
+LAST_LINK_BLOCK = link_positions()[-1]
 
 
 def link_of(block_hash: bytes) -> str:
@@ -61,7 +62,7 @@ def prefix_chain(token_ids: Sequence[int], block_size: int) -> tuple[str, ...]:
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_blocks = (len(token_ids) - 1) // block_size if token_ids else 0
-    positions = link_positions(num_blocks)
+    positions = link_positions(min(num_blocks, LAST_LINK_BLOCK + 1))  # a bounded cache
     if not positions:
         return ()
     out: list[str] = []

@@ -21,6 +21,7 @@ from tokenfleet.producer.core import script_wire
 from tokenfleet.producer.core.effects import (
     AwaitConfirmation,
     Command,
+    Compute,
     Plan,
     Receive,
     RunScript,
@@ -57,6 +58,7 @@ class AsyncDriver:
             RunScripts: self._run_scripts,
             AwaitConfirmation: self._await_confirmation,
             Sleep: self._sleep,
+            Compute: self._compute,
         }
 
     async def run(self, plan: Plan[T]) -> T:
@@ -166,3 +168,6 @@ class AsyncDriver:
 
     async def _sleep(self, effect: Sleep) -> None:
         await asyncio.sleep(effect.seconds)
+
+    async def _compute(self, effect: Compute) -> Any:
+        return await asyncio.to_thread(effect.fn)

@@ -21,6 +21,7 @@ from redis.commands.core import HashCommands, SetCommands, SortedSetCommands
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
     Command,
+    Compute,
     LazyCalls,
     Mailbox,
     Plan,
@@ -33,7 +34,11 @@ from tokenfleet.producer.core.effects import (
 from tokenfleet.producer.core.models import ModelInfo, model_infos
 from tokenfleet.producer.core.outage import OutageClock
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
-from tokenfleet.producer.core.route_tokenizer import RouteTokenizer
+from tokenfleet.producer.core.route_tokenizer import (
+    INLINE_ROUTE_CHARS,
+    RouteTokenizer,
+    route_input_size,
+)
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
@@ -135,7 +140,9 @@ class ClientCore(ABC, Generic[H]):
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
         if prepared.route_input is not None:
-            add_chain(prepared, (yield from self._route_tokenizer(prepared.model)))
+            tok = yield from self._route_tokenizer(prepared.model)
+            if tok is not None:
+                prepared.chain = (yield from compute_chains([(prepared, tok)]))[0]
         until = None if timeout is None else time.monotonic() + timeout
         delay, growth, ceiling = ops.BLOCK_POLL
         lagged = OutageClock(self.settings.redis_retry_s)
@@ -230,11 +237,17 @@ class ClientCore(ABC, Generic[H]):
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
         tokenizers: dict[str, RouteTokenizer | None] = {}
+        work: list[tuple[Prepared, RouteTokenizer]] = []
         for p in prepared:
             if p.route_input is not None:
                 if p.model not in tokenizers:
                     tokenizers[p.model] = yield from self._route_tokenizer(p.model)
-                add_chain(p, tokenizers[p.model])
+                tok = tokenizers[p.model]
+                if tok is not None:
+                    work.append((p, tok))
+        if work:
+            for (p, _), chain in zip(work, (yield from compute_chains(work)), strict=True):
+                p.chain = chain
 
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
@@ -375,13 +388,26 @@ class ClientCore(ABC, Generic[H]):
         return config
 
 
-def add_chain(prepared: Prepared, tokenizer: RouteTokenizer | None) -> None:
-    """Set ``prepared.chain`` from its route input with ``tokenizer`` (none: no chain)."""
-    if tokenizer is not None and prepared.route_input is not None:
-        prompt, messages, token_ids = prepared.route_input
-        prepared.chain = tokenizer.chain(
-            prompt=prompt, messages=messages, prompt_token_ids=token_ids
-        )
+def compute_chains(work: list[tuple[Prepared, RouteTokenizer]]) -> Plan[list[tuple[str, ...]]]:
+    """The chains of ``work``, in order: computed here when their inputs are short, else in one
+    ``Compute`` (the asyncio face runs it on a thread: a long prompt's tokenizing does not hold
+    up the event loop)."""
+
+    def run() -> list[tuple[str, ...]]:
+        return [chain_of(p, tok) for p, tok in work]
+
+    if sum(route_input_size(p.route_input) for p, _ in work) <= INLINE_ROUTE_CHARS:
+        return run()
+    chains: list[tuple[str, ...]] = yield Compute(run)
+    return chains
+
+
+def chain_of(prepared: Prepared, tokenizer: RouteTokenizer) -> tuple[str, ...]:
+    """The routing chain of ``prepared``'s route input (empty without one)."""
+    if prepared.route_input is None:
+        return ()
+    prompt, messages, token_ids = prepared.route_input
+    return tokenizer.chain(prompt=prompt, messages=messages, prompt_token_ids=token_ids)
 
 
 def build_route_tokenizer(raw: Mapping[bytes, bytes], model: str) -> RouteTokenizer | None:

@@ -157,8 +157,25 @@ class AwaitConfirmation:
     strict: bool
 
 
+@dataclass(slots=True)
+class Compute:
+    """Run ``fn()`` (CPU work that may take milliseconds: tokenizing a long prompt for routing).
+    Reply: its return value. The asyncio driver runs it on a thread, so the event loop (a
+    gateway's other streams, a batch runner) goes on meanwhile; the blocking driver calls it."""
+
+    fn: Callable[[], Any]
+
+
 Effect: TypeAlias = (
-    RunScript | RunScripts | Command | Transaction | Sleep | Subscribe | Receive | AwaitConfirmation
+    RunScript
+    | RunScripts
+    | Command
+    | Transaction
+    | Sleep
+    | Subscribe
+    | Receive
+    | AwaitConfirmation
+    | Compute
 )
 # A plan: yields effects, is sent their replies, returns T (see the module docstring).
 Plan: TypeAlias = Generator[Effect, Any, T]

@@ -9,7 +9,7 @@ chain is ``prefix_chain(token_ids, block_size)``: the engine's own block hashes.
 
 Routing is an optimisation, so nothing here refuses a request: a template this module cannot
 render (or that raises for these messages) gives an empty chain, and the request is routed by
-its session or goes to the shared stream. Only the leading ``MAX_ROUTE_CHARS`` of a long text
+its session or goes to the shared stream. Only the leading ``max_chars`` of a long text
 are tokenized (the chain covers at most ``MAX_LINKS`` links); the tokens nearest the cut are
 dropped, since a cut can change how the last word is split.
 """
@@ -25,6 +25,21 @@ from tokenfleet.shared.prefix_chain import link_positions, prefix_chain
 from tokenfleet.shared.route_spec import RouteSpec
 
 _CUT_MARGIN_TOKENS = 8  # tokens dropped at the end of a cut text
+# Route inputs up to this many characters are tokenized in place; longer ones (about 0.2 ms of
+# tokenizing and more) off the asyncio event loop (``effects.Compute``), worth the thread hop.
+INLINE_ROUTE_CHARS = 1000
+
+
+def route_input_size(route_input: tuple[Any, Any, Any] | None) -> int:
+    """About how many characters a route input (prompt, messages, token ids) has to tokenize."""
+    if route_input is None:
+        return 0
+    prompt, messages, token_ids = route_input
+    if token_ids is not None:
+        return 0  # hashed, not tokenized
+    if messages is not None:
+        return sum(len(str(m.get("content") or "")) for m in messages)
+    return len(prompt or "")
 
 
 def _raise(message: str) -> None:
@@ -43,6 +58,21 @@ def _tojson(
     )
 
 
+def _generation_tag() -> Any:
+    """A Jinja extension for ``{% generation %}...{% endgeneration %}`` (transformers marks
+    assistant text with it for training masks): rendered as its body, as transformers does."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}  # noqa: RUF012 - jinja2's own class attribute
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
 def _compile(template: str) -> Any:
     """The Jinja template object, or None where it does not compile here."""
     from jinja2.exceptions import TemplateError
@@ -50,7 +80,7 @@ def _compile(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
@@ -70,6 +100,9 @@ class RouteTokenizer:
         self.digest = spec.digest
         self.block_size = spec.block_size
         self._tokenizer = Tokenizer.from_str(spec.tokenizer)
+        # as transformers calls it: the file's own truncation and padding do not apply
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
         self._fast = getattr(self._tokenizer, "encode_batch_fast", None)  # tokenizers >= 0.21
         self._template = _compile(spec.chat_template) if spec.chat_template else None
         self._special = dict(spec.special)

@@ -17,6 +17,7 @@ from tokenfleet.producer.core import script_wire
 from tokenfleet.producer.core.effects import (
     AwaitConfirmation,
     Command,
+    Compute,
     Plan,
     Receive,
     RunScript,
@@ -53,6 +54,7 @@ class SyncDriver:
             RunScripts: self._run_scripts,
             AwaitConfirmation: self._await_confirmation,
             Sleep: self._sleep,
+            Compute: self._compute,
         }
 
     def run(self, plan: Plan[T]) -> T:
@@ -156,3 +158,6 @@ class SyncDriver:
 
     def _sleep(self, effect: Sleep) -> None:
         time.sleep(effect.seconds)
+
+    def _compute(self, effect: Compute) -> Any:
+        return effect.fn()

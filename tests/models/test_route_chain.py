@@ -12,6 +12,7 @@ chat template) and SmolLM2-135M-Instruct (its own GGUF tokenizer and chat templa
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,39 @@ def test_the_producers_chain_is_the_engines_cached_blocks(
     flavour: str, request: pytest.FixtureRequest
 ) -> None:
     check_chains_are_cached(Path(request.getfixturevalue(f"tiny_{flavour}_dir")), block_size=4)
+
+
+def test_a_tokenizer_that_adds_bos_and_a_template_that_uses_it(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """The tiny Llama with a post-processor that puts ``<|bos|>`` before every text prompt and a
+    chat template that starts with ``{{ bos_token }}`` and marks the assistant's text with
+    ``{% generation %}``: the special-token paths on both sides."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from tokenfleet.worker.devtools.tiny_model import BOS_TOKEN, CHAT_TEMPLATE
+
+    variant = tmp_path / "tiny-bos"
+    shutil.copytree(tiny_llama_dir, variant)
+    tok = Tokenizer.from_file(str(variant / "tokenizer.json"))
+    bos_id = tok.token_to_id(BOS_TOKEN)
+    tok.post_processor = TemplateProcessing(
+        single=f"{BOS_TOKEN} $A", special_tokens=[(BOS_TOKEN, bos_id)]
+    )
+    tok.save(str(variant / "tokenizer.json"))
+    template = CHAT_TEMPLATE.replace(
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content']",
+        "{% generation %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']",
+    ).replace("+ '\n' }}", "+ '\n' }}{% endgeneration %}", 1)
+    assert "{% generation %}" in template and "{% endgeneration %}" in template
+    (variant / "chat_template.jinja").write_text("{{ bos_token }}" + template)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(variant)
+    assert hf("hello")["input_ids"][0] == bos_id  # the engine's text prompts start with BOS
+    assert hf.apply_chat_template(CONVERSATION[:2], tokenize=False).startswith(BOS_TOKEN)
+    check_chains_are_cached(variant, block_size=4)
 
 
 @pytest.mark.real_model

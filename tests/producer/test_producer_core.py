@@ -15,7 +15,15 @@ from redis.commands.core import HashCommands
 from tokenfleet.producer import Client, Handle, ModelNotServed, Overloaded, UnknownRequest
 from tokenfleet.producer.async_io.driver import AsyncDriver
 from tokenfleet.producer.core import ops
-from tokenfleet.producer.core.effects import Command, Effect, Plan, RunScript, Sleep, Subscribe
+from tokenfleet.producer.core.effects import (
+    Command,
+    Compute,
+    Effect,
+    Plan,
+    RunScript,
+    Sleep,
+    Subscribe,
+)
 from tokenfleet.producer.core.subscriptions import (
     RECONNECT_BACKOFF_CEILING_S,
     RECONNECT_BACKOFF_FIRST_S,
@@ -105,6 +113,14 @@ def test_submit_with_routing_computes_the_chain_with_the_published_route_tokeniz
         assert isinstance(enqueue, RunScript)
         chain = prefix_chain([1, 2, 3, 4, 5, 6, 7], 2)  # the words' ids, in 2-token blocks
         assert len(chain) == 3 and " ".join(chain) in enqueue.args
+        # a long prompt is tokenized in a Compute effect (the asyncio face: on a thread)
+        long_prompt = " ".join(words[1:] * 200)
+        plan = client._submit(long_prompt, {"request_id": "r2"}, timeout=None, try_only=False)
+        compute = next(plan)  # the route tokenizer is cached: tokenizing comes first
+        assert isinstance(compute, Compute)
+        chains = compute.fn()
+        assert chains == [prefix_chain([*range(1, 8)] * 200, 2)]
+        plan.send(chains)  # -> the enqueue (routers cached)
     finally:
         client.close()
 
@@ -155,7 +171,7 @@ def test_drivers_throw_an_effects_exception_into_the_plan() -> None:
 
 def test_both_drivers_perform_every_effect_type() -> None:
     effect_types = set(get_args(Effect))
-    assert len(effect_types) == 8
+    assert len(effect_types) == 9
     sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
     assert set(sync._perform) == effect_types
     assert set(AsyncDriver(None, None)._perform) == effect_types  # type: ignore[arg-type]

@@ -68,6 +68,8 @@ def route_spec_of(tokenizer: Any, block_size: int) -> RouteSpec | None:
         if isinstance(value, str)
     }
     template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: the worker renders with "default"
+        template = template.get("default")
     return RouteSpec(
         backend.to_str(), template if isinstance(template, str) else "", special, block_size
     )
