@@ -16,7 +16,9 @@ and runs ``rq worker -S json tokenfleet``. Arguments and the return value are JS
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
+from urllib.parse import quote
 
 import redis
 from rq import get_current_job
@@ -36,8 +38,25 @@ def _client(redis_url: str | None) -> Client:
         return Client.from_url(redis_url or settings.redis_url, settings=settings)
     job = get_current_job()
     if job is not None and isinstance(job.connection, redis.Redis):
-        return Client(job.connection, settings=settings)
+        # the settings name the same server: a batch's handle opens connections from them
+        url = url_of(job.connection)
+        return Client(job.connection, settings=replace(settings, redis_url=url))
     return Client.from_url(settings.redis_url, settings=settings)
+
+
+def url_of(connection: redis.Redis) -> str:
+    """A ``redis://`` / ``rediss://`` / ``unix://`` URL naming the server (and database,
+    credentials) of a standalone ``redis.Redis``."""
+    kw = connection.connection_pool.connection_kwargs
+    db = int(kw.get("db") or 0)
+    user, password = kw.get("username"), kw.get("password")
+    auth = ""
+    if user or password:
+        auth = f"{quote(str(user or ''), safe='')}:{quote(str(password or ''), safe='')}@"
+    if kw.get("path"):
+        return f"unix://{auth}{kw['path']}?db={db}"
+    scheme = "rediss" if "SSL" in connection.connection_pool.connection_class.__name__ else "redis"
+    return f"{scheme}://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{db}"
 
 
 def _request_id() -> str | None:

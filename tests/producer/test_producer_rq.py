@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.cron import JsonCronScheduler
-from tokenfleet.producer.jobs import generate
+from tokenfleet.producer.jobs import generate, url_of
 from tokenfleet.shared.priority import Priority
 
 CRON_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "cron_config.py"
@@ -97,3 +97,20 @@ def test_cron_config_runs_with_json_serializer(r: redis.Redis, worker: FakeWorke
     _run_burst(r, queue, worker, ["all", " good"], Priority.BATCH)
     job = Job.fetch(job.id, connection=r, serializer=JSONSerializer)
     assert _value(job)["text"] == "all good"
+
+
+def test_a_job_on_the_rq_workers_redis_names_that_server_in_its_settings() -> None:
+    """With no REDIS_URL, a job talks to the rq worker's Redis; its settings must name the same
+    server, since a batch's handle opens its own connections from them."""
+    cases = [
+        (redis.Redis(unix_socket_path="/tmp/x.sock", db=2), "unix:///tmp/x.sock?db=2"),
+        (redis.Redis(host="10.0.0.5", port=6380, db=1), "redis://10.0.0.5:6380/1"),
+        (redis.Redis(password="p@ss", username="u"), "redis://u:p%40ss@localhost:6379/0"),
+        (redis.Redis(host="h", ssl=True), "rediss://h:6379/0"),
+    ]
+    for conn, url in cases:
+        assert url_of(conn) == url
+        back = redis.Redis.from_url(url).connection_pool.connection_kwargs
+        mine = conn.connection_pool.connection_kwargs
+        for key in ("host", "port", "db", "path", "username", "password"):
+            assert back.get(key) == mine.get(key), (url, key)
