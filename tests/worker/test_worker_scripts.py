@@ -10,6 +10,7 @@ import redis
 from worker_helpers import enqueue, make_intake, make_request, record
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.prefix_chain import link_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.scripts import registry
@@ -238,6 +239,36 @@ def test_a_routed_beat_publishes_the_load_and_the_longest_step_since_the_last_be
     assert r.hget(keys.route_load("default"), "me") == b"3 8 901 critical,normal"
     beat.beat({"running": 0})  # no step since: an idle worker reads at once
     assert r.hget(keys.route_load("default"), "me") == b"0 8 0 critical,normal"
+
+
+def test_a_failed_beat_loses_no_prefix_change(
+    r: redis.Redis, settings: Settings, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    beat = Heartbeat(r, settings, worker_name="me", model_name="default", ttl_s=30)
+    beat.prefixes, beat.max_num_seqs = PrefixSet(), 8
+    a, b, c = (bytes([n]) * 16 for n in range(3))
+    beat.prefixes.cached(0, a)
+    beat.beat({"running": 0})  # the first beat writes the whole set
+    beat.prefixes.cached(1, b)
+    beat.beat({"running": 0})  # a change
+    published = {bytes(x) for x in r.smembers(keys.prefixes("me"))}
+    assert published == {link_of(a).encode(), link_of(b).encode()}
+    beat.prefixes.cached(2, c)
+    beat.prefixes.forgotten(a)
+    real = r.pipeline
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        pipe = real(*args, **kwargs)
+        pipe.execute = lambda *a, **k: (_ for _ in ()).throw(redis.ConnectionError("down"))
+        return pipe
+
+    monkeypatch.setattr(r, "pipeline", broken)
+    with pytest.raises(redis.ConnectionError):
+        beat.beat({"running": 0})  # these changes are taken, and lost with the round trip
+    monkeypatch.setattr(r, "pipeline", real)
+    beat.beat({"running": 0})
+    published = {bytes(x) for x in r.smembers(keys.prefixes("me"))}
+    assert published == {link_of(b).encode(), link_of(c).encode()}
 
 
 def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(

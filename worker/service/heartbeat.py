@@ -106,7 +106,11 @@ class Heartbeat:
             pipe.zremrangebyscore(served, "-inf", now - LAPSED_KEEP_S)
         if self.prefixes is not None:
             self._route_beat(pipe, now, serving, int(stats.get("running", 0)))
-        pipe.execute()
+        try:
+            pipe.execute()
+        except Exception:
+            self._beats = 0  # the prefix changes taken for this beat are lost: rewrite it all
+            raise
         if time.monotonic() >= self._forget_at:
             self._forget_at = time.monotonic() + FORGET_INTERVAL_S
             self.forget_lapsed_routers(now)
