@@ -12,6 +12,7 @@ from worker_helpers import enqueue, make_intake, make_request, record
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.prefix_chain import link_of
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
@@ -251,15 +252,19 @@ def test_a_failed_beat_loses_no_prefix_change(
     beat.beat({"running": 0})  # the first beat writes the whole set
     beat.prefixes.cached(1, b)
     beat.beat({"running": 0})  # a change
-    published = {bytes(x) for x in r.smembers(keys.prefixes("me"))}
-    assert published == {link_of(a).encode(), link_of(b).encode()}
+    published = {as_str(x) for x in r.smembers(keys.prefixes("me"))}
+    assert published == {link_of(a), link_of(b)}
     beat.prefixes.cached(2, c)
     beat.prefixes.forgotten(a)
     real = r.pipeline
 
     def broken(*args: Any, **kwargs: Any) -> Any:
-        pipe = real(*args, **kwargs)
-        pipe.execute = lambda *a, **k: (_ for _ in ()).throw(redis.ConnectionError("down"))
+        pipe: Any = real(*args, **kwargs)
+
+        def down(*a: Any, **k: Any) -> Any:
+            raise redis.ConnectionError("down")
+
+        pipe.execute = down
         return pipe
 
     monkeypatch.setattr(r, "pipeline", broken)
@@ -267,8 +272,8 @@ def test_a_failed_beat_loses_no_prefix_change(
         beat.beat({"running": 0})  # these changes are taken, and lost with the round trip
     monkeypatch.setattr(r, "pipeline", real)
     beat.beat({"running": 0})
-    published = {bytes(x) for x in r.smembers(keys.prefixes("me"))}
-    assert published == {link_of(b).encode(), link_of(c).encode()}
+    published = {as_str(x) for x in r.smembers(keys.prefixes("me"))}
+    assert published == {link_of(b), link_of(c)}
 
 
 def test_claim_rounds_reach_dead_entries_behind_a_full_scan_of_live_ones(
