@@ -29,6 +29,7 @@ from gateway_helpers import Fleet, Gateway, module_fleet, start_fleet, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.jobs import run_batch
+from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -57,6 +58,8 @@ def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:
         {**chat_line(0)},  # duplicate custom_id c-0
         {**chat_line(99), "url": "/v1/completions"},  # another endpoint
         {**chat_line(98), "body": {"model": "default", "messages": [], "max_tokens": 2}},
+        {**chat_line(97), "body": {**chat_line(97)["body"], "model": "no-such-model"}},
+        {**chat_line(96), "body": {**chat_line(96)["body"], "user": "x" * (1 << 20)}},  # > 1 MiB
     ]
     upload = sdk.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     assert upload.purpose == "batch" and upload.bytes > 0
@@ -71,12 +74,15 @@ def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:
     done = final(sdk, batch.id)
     assert done.status == "completed"
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed) == (16, 12)
-    assert done.request_counts.failed == 4
+    assert (done.request_counts.total, done.request_counts.completed) == (18, 12)
+    assert done.request_counts.failed == 6
     out, err = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
-    assert len(out) == 12 and len(err) == 4
+    assert len(out) == 12 and len(err) == 6
     check_exactly_once(out, [], [f"c-{i}" for i in range(12)])
     assert all(e["error"]["code"] and e["error"]["message"] for e in err)
+    codes = {e["custom_id"]: e["error"]["code"] for e in err}
+    assert codes["c-97"] == "model_not_found" and codes["c-96"] == "line_too_large"
+    assert codes["c-99"] == "invalid_url" and codes["c-0"] == "duplicate_custom_id"
     assert done.metadata == {"job": "nightly"}
     listed = [b.id for b in sdk.batches.list(limit=100)]
     assert batch.id in listed
@@ -85,9 +91,12 @@ def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:
         sdk.files.retrieve(upload.id)
 
 
+N_CANCEL = 100  # more lines than the feeding window's cap (64): some are never fed
+
+
 def test_cancel_mid_batch(bfleet: Fleet) -> None:
     sdk = sdk_for(bfleet.base_url)
-    rows = [chat_line(i, max_tokens=300) for i in range(40)]
+    rows = [chat_line(i, max_tokens=300) for i in range(N_CANCEL)]
     upload = sdk.files.create(file=("c.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     batch = sdk.batches.create(
         input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -100,10 +109,24 @@ def test_cancel_mid_batch(bfleet: Fleet) -> None:
     done = final(sdk, batch.id)
     assert done.status == "cancelled"
     counts = done.request_counts
-    assert counts is not None and counts.completed + counts.failed == 40
-    assert counts.completed < 40
+    assert counts is not None and counts.completed + counts.failed == N_CANCEL
+    assert counts.completed < N_CANCEL
     out, err = lines_of(sdk, done.output_file_id), lines_of(sdk, done.error_file_id)
-    assert sorted(r["custom_id"] for r in out + err) == sorted(f"c-{i}" for i in range(40))
+    assert sorted(r["custom_id"] for r in out + err) == sorted(f"c-{i}" for i in range(N_CANCEL))
+    # feeding stopped: the lines never fed have no request in the fleet; the fed ones all ended
+    codes = {e["custom_id"]: e["error"]["code"] for e in err}
+    assert set(codes.values()) <= {"batch_cancelled", "cancelled"}
+    unfed = 0
+    for i in range(N_CANCEL):
+        rec = RequestRecord.from_hash(
+            f"{done.id}-{i}", bfleet.r.hgetall(bfleet.keys.record(f"{done.id}-{i}"))
+        )
+        if rec is None:  # never fed: it can only be a batch_cancelled line
+            assert codes[f"c-{i}"] == "batch_cancelled", i
+            unfed += 1
+        else:
+            assert rec.status.is_terminal, (i, rec)
+    assert unfed >= 1, "every line was fed: nothing shows that feeding stopped"
 
 
 def test_a_gateway_killed_mid_batch_loses_nothing(
