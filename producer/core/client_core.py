@@ -9,7 +9,6 @@ how a plan runs (``_run``: blocking or awaited) and which handle class they hand
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -21,7 +20,6 @@ from redis.commands.core import HashCommands, SetCommands, SortedSetCommands
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
     Command,
-    Compute,
     LazyCalls,
     Mailbox,
     Plan,
@@ -35,9 +33,9 @@ from tokenfleet.producer.core.models import ModelInfo, model_infos
 from tokenfleet.producer.core.outage import OutageClock
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
 from tokenfleet.producer.core.route_tokenizer import (
-    INLINE_ROUTE_CHARS,
     RouteTokenizer,
-    route_input_size,
+    RouteTokenizers,
+    compute_chains,
 )
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
@@ -45,7 +43,6 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord, as_str
 from tokenfleet.shared.replica_wait import ReplicationLagged
-from tokenfleet.shared.route_spec import RouteSpec
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.cancel import CANCEL, EXPIRE_OVERDUE, withdraw_keys_args
@@ -64,10 +61,6 @@ CANCELLED_MESSAGE = "cancelled by the client before it started"
 # streams' waiting entries count in the bound; the script routes only to live ones).
 ROUTERS_TTL_S = 1.0
 ROUTERS_RECENT_S = 60.0
-# A model's route tokenizer (shared.route_spec): its digest is re-read this often (the spec itself
-# only when the digest changed); while no worker has published one, as often as the routers.
-ROUTE_SPEC_TTL_S = 30.0
-log = logging.getLogger(__name__)
 
 H = TypeVar("H")  # the handle class a face hands out
 
@@ -102,8 +95,7 @@ class ClientCore(ABC, Generic[H]):
         self._subscriber = subscriber
         self._owns_redis = False
         self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
-        # model -> (read at, its route tokenizer or None)
-        self._route_tokenizers: dict[str, tuple[float, RouteTokenizer | None]] = {}
+        self._route_tokenizers = RouteTokenizers(self._keys, ROUTERS_TTL_S)
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
@@ -140,7 +132,7 @@ class ClientCore(ABC, Generic[H]):
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
         if prepared.route_input is not None:
-            tok = yield from self._route_tokenizer(prepared.model)
+            tok = yield from self._route_tokenizers.get(prepared.model)
             if tok is not None:
                 prepared.chain = (yield from compute_chains([(prepared, tok)]))[0]
         until = None if timeout is None else time.monotonic() + timeout
@@ -188,25 +180,6 @@ class ClientCore(ABC, Generic[H]):
             self._routers[model] = cached
         return RouteTargets(cached[1], self.settings.session_ttl_s)
 
-    def _route_tokenizer(self, model: str) -> Plan[RouteTokenizer | None]:
-        """``model``'s ``RouteTokenizer`` (None: no worker has published one yet, or it cannot
-        be built here); cached per model (``ROUTE_SPEC_TTL_S``)."""
-        now = time.monotonic()
-        cached = self._route_tokenizers.get(model)
-        if cached is not None:
-            age, tok = now - cached[0], cached[1]
-            if age < (ROUTE_SPEC_TTL_S if tok is not None else ROUTERS_TTL_S):
-                return tok
-        key = self._keys.route_tokenizer(model)
-        digest = as_str((yield Command(HashCommands.hget, (key, "digest"))))
-        tok = cached[1] if cached is not None else None
-        if digest is None:
-            tok = None
-        elif tok is None or tok.digest != digest:
-            tok = build_route_tokenizer((yield Command(HashCommands.hgetall, (key,))), model)
-        self._route_tokenizers[model] = (now, tok)
-        return tok
-
     def _try_submit(self, prompt: Any, params: dict[str, Any]) -> Plan[H]:
         params.pop("timeout", None)
         return self._submit(prompt, params, timeout=0.0, try_only=True)
@@ -241,7 +214,7 @@ class ClientCore(ABC, Generic[H]):
         for p in prepared:
             if p.route_input is not None:
                 if p.model not in tokenizers:
-                    tokenizers[p.model] = yield from self._route_tokenizer(p.model)
+                    tokenizers[p.model] = yield from self._route_tokenizers.get(p.model)
                 tok = tokenizers[p.model]
                 if tok is not None:
                     work.append((p, tok))
@@ -386,38 +359,3 @@ class ClientCore(ABC, Generic[H]):
         writes.append(Command(SetCommands.sadd, (self._keys.queues, self._keys.queue_member(m, p))))
         yield Transaction(tuple(writes))
         return config
-
-
-def compute_chains(work: list[tuple[Prepared, RouteTokenizer]]) -> Plan[list[tuple[str, ...]]]:
-    """The chains of ``work``, in order: computed here when their inputs are short, else in one
-    ``Compute`` (the asyncio face runs it on a thread: a long prompt's tokenizing does not hold
-    up the event loop)."""
-
-    def run() -> list[tuple[str, ...]]:
-        return [chain_of(p, tok) for p, tok in work]
-
-    if sum(route_input_size(p.route_input) for p, _ in work) <= INLINE_ROUTE_CHARS:
-        return run()
-    chains: list[tuple[str, ...]] = yield Compute(run)
-    return chains
-
-
-def chain_of(prepared: Prepared, tokenizer: RouteTokenizer) -> tuple[str, ...]:
-    """The routing chain of ``prepared``'s route input (empty without one)."""
-    if prepared.route_input is None:
-        return ()
-    prompt, messages, token_ids = prepared.route_input
-    return tokenizer.chain(prompt=prompt, messages=messages, prompt_token_ids=token_ids)
-
-
-def build_route_tokenizer(raw: Mapping[bytes, bytes], model: str) -> RouteTokenizer | None:
-    """The ``RouteTokenizer`` of a published spec; None (and a warning) if it cannot be built."""
-    spec = RouteSpec.from_hash(raw)
-    if spec is None:
-        log.warning("tokenfleet: the route tokenizer of model %r is malformed; not used", model)
-        return None
-    try:
-        return RouteTokenizer(spec)
-    except Exception as exc:  # tokenizers missing, or a tokenizer JSON it cannot read
-        log.warning("tokenfleet: cannot build model %r's route tokenizer: %s", model, exc)
-        return None

@@ -17,12 +17,23 @@ dropped, since a cut can change how the last word is split.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from redis.commands.core import HashCommands
+
+from tokenfleet.producer.core.effects import Command, Compute, Plan
+from tokenfleet.producer.core.request import Prepared
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.prefix_chain import link_positions, prefix_chain
+from tokenfleet.shared.record import as_str
 from tokenfleet.shared.route_spec import RouteSpec
+
+log = logging.getLogger(__name__)
+ROUTE_SPEC_TTL_S = 30.0  # how often a client re-reads a model's route tokenizer digest
 
 _CUT_MARGIN_TOKENS = 8  # tokens dropped at the end of a cut text
 # Route inputs up to this many characters are tokenized in place; longer ones (about 0.2 ms of
@@ -148,3 +159,67 @@ class RouteTokenizer:
         if cut:
             ids = ids[: max(0, len(ids) - _CUT_MARGIN_TOKENS)]
         return prefix_chain(ids, self.block_size)
+
+
+def compute_chains(work: list[tuple[Prepared, RouteTokenizer]]) -> Plan[list[tuple[str, ...]]]:
+    """The chains of ``work``, in order: computed here when their inputs are short, else in one
+    ``Compute`` (the asyncio face runs it on a thread: a long prompt's tokenizing does not hold
+    up the event loop)."""
+
+    def run() -> list[tuple[str, ...]]:
+        return [chain_of(p, tok) for p, tok in work]
+
+    if sum(route_input_size(p.route_input) for p, _ in work) <= INLINE_ROUTE_CHARS:
+        return run()
+    chains: list[tuple[str, ...]] = yield Compute(run)
+    return chains
+
+
+def chain_of(prepared: Prepared, tokenizer: RouteTokenizer) -> tuple[str, ...]:
+    """The routing chain of ``prepared``'s route input (empty without one)."""
+    if prepared.route_input is None:
+        return ()
+    prompt, messages, token_ids = prepared.route_input
+    return tokenizer.chain(prompt=prompt, messages=messages, prompt_token_ids=token_ids)
+
+
+def build_route_tokenizer(raw: Mapping[bytes, bytes], model: str) -> RouteTokenizer | None:
+    """The ``RouteTokenizer`` of a published spec; None (and a warning) if it cannot be built."""
+    spec = RouteSpec.from_hash(raw)
+    if spec is None:
+        log.warning("tokenfleet: the route tokenizer of model %r is malformed; not used", model)
+        return None
+    try:
+        return RouteTokenizer(spec)
+    except Exception as exc:  # tokenizers missing, or a tokenizer JSON it cannot read
+        log.warning("tokenfleet: cannot build model %r's route tokenizer: %s", model, exc)
+        return None
+
+
+class RouteTokenizers:
+    """One client's ``RouteTokenizer`` per model, read from ``Keys.route_tokenizer``: the digest
+    is re-read every ``ROUTE_SPEC_TTL_S`` (the spec itself only when it changed), and every
+    ``absent_ttl_s`` while no worker has published one."""
+
+    def __init__(self, keys: Keys, absent_ttl_s: float) -> None:
+        self._keys = keys
+        self._absent_ttl_s = absent_ttl_s
+        self._cache: dict[str, tuple[float, RouteTokenizer | None]] = {}  # model -> (read at, it)
+
+    def get(self, model: str) -> Plan[RouteTokenizer | None]:
+        """``model``'s tokenizer (None: none published yet, or it cannot be built here)."""
+        now = time.monotonic()
+        cached = self._cache.get(model)
+        if cached is not None:
+            age, tok = now - cached[0], cached[1]
+            if age < (ROUTE_SPEC_TTL_S if tok is not None else self._absent_ttl_s):
+                return tok
+        key = self._keys.route_tokenizer(model)
+        digest = as_str((yield Command(HashCommands.hget, (key, "digest"))))
+        tok = cached[1] if cached is not None else None
+        if digest is None:
+            tok = None
+        elif tok is None or tok.digest != digest:
+            tok = build_route_tokenizer((yield Command(HashCommands.hgetall, (key,))), model)
+        self._cache[model] = (now, tok)
+        return tok

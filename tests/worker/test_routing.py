@@ -22,7 +22,7 @@ import redis
 from worker_helpers import WorkerProc, record, wait_for, wait_terminal
 
 from tokenfleet.producer import Client
-from tokenfleet.producer.core.client_core import build_route_tokenizer
+from tokenfleet.producer.core.route_tokenizer import build_route_tokenizer
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.prefix_chain import model_session_hash
 from tokenfleet.shared.priority import Priority

@@ -190,7 +190,9 @@ class Engine:
         self._detokenizers[request_id] = detok
 
         refusal = self.scheduler.refusal(req)
-        reason = FinishReason.ERROR if refusal else self._resume_finish_reason(req, detok)
+        reason = FinishReason.ERROR if refusal else None
+        if reason is None and req.output_token_ids:  # the resumed tokens alone may end it
+            reason = self._stop_reason(req, req.output_token_ids[-1], detok)
         if reason is None:
             self.scheduler.add(req)
             return
@@ -227,8 +229,7 @@ class Engine:
         )
 
     def watch_prefix_cache(self, watcher: CacheWatcher | None) -> None:
-        """Tell ``watcher`` of every block that enters or leaves the prefix cache from now on
-        (None: stop). Set it before the first step: blocks cached earlier are not reported."""
+        """Tell ``watcher`` of blocks entering or leaving the prefix cache from now on."""
         self.block_manager.watcher = watcher
 
     def pool_port(self) -> PoolPort:
@@ -348,14 +349,6 @@ class Engine:
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-    def _resume_finish_reason(
-        self, req: Request, detok: IncrementalDetokenizer
-    ) -> FinishReason | None:
-        """Whether the resumed tokens alone already end the request (None: it goes on)."""
-        if not req.output_token_ids:
-            return None
-        return self._stop_reason(req, req.output_token_ids[-1], detok)
 
     # ---------------------------------------------------------------------------- offline
 
