@@ -1,5 +1,5 @@
 -- KEYS[1] = request record hash          KEYS[2] = request token list
--- KEYS[3] = request channel              KEYS[4] = queue stream of the request
+-- KEYS[3] = request channel              KEYS[4] = the stream its entry is in
 -- KEYS[5] = cancel set
 -- ARGV[1] = request id                   ARGV[2] = terminal status (done|cancelled|...)
 -- ARGV[3] = encoded terminal event       ARGV[4] = now (epoch seconds)

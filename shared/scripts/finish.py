@@ -41,12 +41,15 @@ def finish_keys_args(
     stream_id: str = "",
     extra_fields: Mapping[str, str] | None = None,
     owner: str = "",
+    stream: str | None = None,
 ) -> tuple[list[str], list[str]]:
     """KEYS and ARGV for :data:`FINISH`, so every caller builds them the same way.
 
     The terminal event's own fields (finish_reason, code, message, usage, timings) are written
     into the record too; ``extra_fields`` adds more (e.g. the final ``text``). ``owner`` is the
     finishing worker's name when it runs the request (see the module's ownership guard).
+    ``stream`` is the stream its entry is in (default: the shared stream of (model, priority));
+    an entry read from a worker's routed stream is acked and deleted there.
     """
     rid = event.request_id
     fields: dict[str, str] = {
@@ -74,7 +77,7 @@ def finish_keys_args(
         keys.record(rid),
         keys.tokens(rid),
         keys.channel(rid),
-        keys.stream(model, priority),
+        stream or keys.stream(model, priority),
         keys.cancel_set,
     ]
     return key_list, args

@@ -23,7 +23,7 @@ from worker_helpers import WorkerProc, record, wait_for, wait_terminal
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.core.route_tokenizer import build_route_tokenizer
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.prefix_chain import model_session_hash
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
@@ -117,6 +117,10 @@ def test_a_sessions_turns_stay_on_its_worker_and_a_shared_prefix_follows_its_hol
     )
     rec2 = fleet.done(second.request_id)
     assert (rec2.route, rec2.routed_to) == ("session", home)
+    # a routed request's end acks and deletes its entry in the routed stream it came from
+    routed = fleet.keys.routed("default", Priority.NORMAL, home)
+    assert fleet.r.xlen(routed) == 0
+    assert fleet.r.xpending(routed, CONSUMER_GROUP)["pending"] == 0
     # no session: the longest cached prefix picks the worker (once its set is published)
     # (the chain: the engine's own block hashes, tokenized as the workers published how)
     convo = _turn("hi", "hello", "more")

@@ -58,6 +58,7 @@ class UnstartedOutcomes:
             now=time.time(),
             ttl_s=self.settings.record_ttl_s,
             stream_id=entry.entry_id,
+            stream=entry.stream,
         )
         registry.call(self.client, FINISH, k, a)
 

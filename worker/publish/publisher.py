@@ -63,6 +63,7 @@ class Finish:
     priority: Priority  # the level of the stream its entry is in
     entry_id: str  # its stream entry, acked and deleted when the finish takes effect
     text: str  # its whole output text, tokens appended in the same round trip included
+    stream: str = ""  # the stream its entry is in ("": its level's shared stream)
 
 
 @dataclass(slots=True)
@@ -263,6 +264,7 @@ class Publisher:
                 stream_id=fin.entry_id,
                 extra_fields={"text": fin.text},
                 owner=self.worker_name,
+                stream=fin.stream or None,
             )
             pipe.script(FINISH, fk, fa)
         if check_cancel:

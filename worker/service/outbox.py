@@ -198,4 +198,4 @@ class Outbox:
 def finish_of(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:
     """``job``'s finish with ``event``: its text so far plus ``events`` (in the same round trip)."""
     text = job.text + "".join(e.text for e in events)
-    return Finish(event, job.entry.priority, job.entry.entry_id, text)
+    return Finish(event, job.entry.priority, job.entry.entry_id, text, job.entry.stream)
