@@ -56,7 +56,7 @@ def url_of(connection: redis.Redis) -> str:
     if kw.get("path"):
         return f"unix://{auth}{kw['path']}?db={db}"
     scheme = "rediss" if "SSL" in connection.connection_pool.connection_class.__name__ else "redis"
-    return f"{scheme}://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{db}"
+    return f"{scheme}://{auth}{kw['host']}:{kw['port']}/{db}"  # redis-py always sets both
 
 
 def _request_id() -> str | None:

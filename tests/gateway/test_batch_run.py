@@ -26,7 +26,7 @@ from batch_helpers import (
 )
 from gateway_helpers import Worker
 
-from tokenfleet.producer.gateway.batches import BatchRunner, BatchStore
+from tokenfleet.producer.gateway.batches import BatchObject, BatchRunner, BatchStore
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
 from tokenfleet.producer.gateway.batches.handle import AsyncBatchHandle
 from tokenfleet.shared.keys import Keys
@@ -60,6 +60,17 @@ def worker(
 @pytest.fixture
 def bsettings(redis_server: RedisServer, worker: Worker, prefix: str) -> Settings:
     return Settings(redis_url=redis_server.url, key_prefix=prefix)
+
+
+async def _run_to_final(env: Env, batch_id: str) -> BatchObject:
+    """Drive the batch with a runner of its own until it is final."""
+    done: list[BatchObject] = []
+
+    async def wait() -> None:
+        done.append(await wait_batch(env, batch_id, final))
+
+    await _with_runner(env, wait())
+    return done[0]
 
 
 async def _with_runner(env: Env, coro: object, **kw: object) -> BatchRunner:
@@ -121,13 +132,7 @@ def test_completions_endpoint_with_an_invalid_line(bsettings: Settings) -> None:
     lines[2]["body"]["best_of"] = 3
 
     async def body(env: Env) -> None:
-        b = await upload_and_create(env, lines, COMPLETIONS)
-
-        async def wait() -> None:
-            nonlocal b
-            b = await wait_batch(env, b.id, final)
-
-        await _with_runner(env, wait())
+        b = await _run_to_final(env, (await upload_and_create(env, lines, COMPLETIONS)).id)
         assert b.status == "completed" and (b.completed, b.failed) == (4, 1)
         out, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
         assert out[0]["response"]["body"]["object"] == "text_completion"
@@ -399,13 +404,7 @@ def test_a_line_naming_a_model_the_fleet_does_not_serve_goes_to_the_error_file(
         lines[i]["body"]["model"] = "no-such-model"
 
     async def body(env: Env) -> None:
-        b = await upload_and_create(env, lines)
-
-        async def wait() -> None:
-            nonlocal b
-            b = await wait_batch(env, b.id, final)
-
-        await _with_runner(env, wait())
+        b = await _run_to_final(env, (await upload_and_create(env, lines)).id)
         assert b.status == "completed" and (b.completed, b.failed) == (4, 2)
         _, err = await check_exactly_once(env, b, [x["custom_id"] for x in lines])
         assert sorted(e["custom_id"] for e in err) == ["req-1", "req-4"]

@@ -105,8 +105,11 @@ def test_a_job_on_the_rq_workers_redis_names_that_server_in_its_settings() -> No
     cases = [
         (redis.Redis(unix_socket_path="/tmp/x.sock", db=2), "unix:///tmp/x.sock?db=2"),
         (redis.Redis(host="10.0.0.5", port=6380, db=1), "redis://10.0.0.5:6380/1"),
-        (redis.Redis(password="p@ss", username="u"), "redis://u:p%40ss@localhost:6379/0"),
-        (redis.Redis(host="h", ssl=True), "rediss://h:6379/0"),
+        (
+            redis.Redis(password="p@ss", username="u", port=7001),
+            "redis://u:p%40ss@localhost:7001/0",
+        ),
+        (redis.Redis(host="h", port=7002, ssl=True), "rediss://h:7002/0"),
     ]
     for conn, url in cases:
         assert url_of(conn) == url
