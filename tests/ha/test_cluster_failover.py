@@ -1,16 +1,25 @@
-"""The two events a fleet on a Redis Cluster must ride out, each under load: two real workers and a
-producer run streaming requests, and mid-run either a replica of the fleet's slot takes over
-(``CLUSTER FAILOVER``) or the slot, with every key in it, is migrated to another primary
-(``SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``, ``SETSLOT NODE``). Every request must end exactly
-once, every client stream (live sharded pub/sub, gap-filled from the durable token record across
-the switch) must be gap-free and duplicate-free, and afterwards the slot's new primary must hold
-every record done with the very text the client saw. The counts are printed.
+"""The events a fleet on a Redis Cluster must ride out, each under load: two real workers and a
+producer run streaming requests, and mid-run a replica of the fleet's slot takes over (``CLUSTER
+FAILOVER``), or the slot's primary is SIGKILLed (the cluster promotes the replica on its own; the
+killed node comes back empty as its replica), or the slot, with every key in it, is migrated to
+another primary (``SETSLOT IMPORTING/MIGRATING``, ``MIGRATE``, ``SETSLOT NODE``). Every request
+must end exactly once, every client stream (live sharded pub/sub, gap-filled from the durable
+token record across the switch) must be gap-free and duplicate-free, and afterwards the slot's
+new primary must hold every record done with the very text the client saw. The counts are
+printed.
 
-Each test has its own key prefix, so its own slot (``{hafo}``, ``{hamig}``)."""
+A killed primary loses what it had not replicated yet (Redis replicates asynchronously): that
+test runs the workers and the producer with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1``
+(``shared.replica_wait``), as README "Redis modes" recommends; a ``CLUSTER FAILOVER`` and a
+migration lose nothing by themselves (the replica catches up before it takes over; ``MIGRATE``
+moves each key atomically), so those tests run without it.
+
+Each test has its own key prefix, so its own slot (``{hafo}``, ``{hacrash}``, ``{hamig}``)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,12 +42,20 @@ pytestmark = pytest.mark.slow
 NUM_REQUESTS = 16
 MAX_TOKENS = 160
 FLAGS = ("--max-num-seqs", "4")
+WAIT_ENV = {"TOKENFLEET_REDIS_WAIT_REPLICAS": "1", "TOKENFLEET_REDIS_WAIT_MS": "200"}
 
 
 def start_workers(
-    cluster: LocalCluster, model_dir: Path, prefix: str, log_dir: Path
+    cluster: LocalCluster,
+    model_dir: Path,
+    prefix: str,
+    log_dir: Path,
+    env: dict[str, str] | None = None,
 ) -> list[HAWorker]:
-    ws = [HAWorker(model_dir, cluster, prefix, f"{prefix}-{n}", log_dir, *FLAGS) for n in "ab"]
+    ws = [
+        HAWorker(model_dir, cluster, prefix, f"{prefix}-{n}", log_dir, *FLAGS, env=env)
+        for n in "ab"
+    ]
     with redis_client(cluster_settings(cluster, prefix)) as r:
         for w in ws:
             wait_for(lambda: w.ready(r), f"{w.name}'s heartbeat")  # noqa: B023
@@ -50,6 +67,16 @@ def failover_workers(
     redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path: Path
 ) -> Iterator[list[HAWorker]]:
     ws = start_workers(redis_cluster, tiny_llama_dir, "hafo", tmp_path)
+    yield ws
+    for w in ws:
+        w.close()
+
+
+@pytest.fixture
+def crash_workers(
+    redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path: Path
+) -> Iterator[list[HAWorker]]:
+    ws = start_workers(redis_cluster, tiny_llama_dir, "hacrash", tmp_path, WAIT_ENV)
     yield ws
     for w in ws:
         w.close()
@@ -85,11 +112,16 @@ def follow_async(
         errors.append(exc)
 
 
-def run_through(cluster: LocalCluster, prefix: str, event: Callable[[int], str]) -> None:
+def run_through(
+    cluster: LocalCluster, prefix: str, event: Callable[[int], str], wait_replicas: int = 0
+) -> None:
     """Run the load, call ``event(slot)`` once some requests are done and some running, and
     check every request ended once, gap-free, and is durable on the slot's owner after. Half the
-    streams are followed by the sync client, half by the asyncio one."""
-    settings = cluster_settings(cluster, prefix)
+    streams are followed by the sync client, half by the asyncio one; ``wait_replicas``: the
+    producer's ``redis_wait_replicas``."""
+    settings = dataclasses.replace(
+        cluster_settings(cluster, prefix), redis_wait_replicas=wait_replicas, redis_wait_ms=200
+    )
     keys = Keys.for_settings(settings)
     slot = fleet_slot(keys.root)
     streams: dict[str, list[Any]] = {}
@@ -168,6 +200,16 @@ def test_a_cluster_failover_mid_run_loses_no_request_and_no_token(
     run_through(redis_cluster, "hafo", failover)
     for w in failover_workers:  # the demoted node ended the doorbell's XREAD: re-armed, not off
         assert "doorbell's XREAD was refused" not in w.output(), w.output()
+
+
+def test_a_killed_primary_mid_run_loses_no_request_and_no_token(
+    redis_cluster: LocalCluster, crash_workers: list[HAWorker]
+) -> None:
+    def crash(slot: int) -> str:
+        old, new = redis_cluster.crash_primary(slot)
+        return f"primary of slot {slot} SIGKILLed, replica promoted by the cluster: {old} -> {new}"
+
+    run_through(redis_cluster, "hacrash", crash, wait_replicas=1)
 
 
 def test_a_slot_migration_mid_run_loses_no_request_and_no_token(

@@ -6,12 +6,14 @@
 ``redis-cli --cluster create ... --cluster-replicas 1 --cluster-yes``. Node timeouts are short
 (``node_timeout_ms``) so that a failover ends in seconds.
 
-It also drives the two events a fleet must ride out: :meth:`failover` (``CLUSTER FAILOVER`` on
-a replica of the slot's primary) and :meth:`migrate_slot` (``CLUSTER SETSLOT ... IMPORTING`` /
-``MIGRATING``, ``MIGRATE`` of every key, ``SETSLOT ... NODE``, as ``redis-cli --cluster
-reshard`` does).
+It also drives the events a fleet must ride out: :meth:`failover` (``CLUSTER FAILOVER`` on
+a replica of the slot's primary), :meth:`crash_primary` (the slot's primary SIGKILLed: the
+cluster promotes its replica on its own after ``node_timeout_ms``) and :meth:`migrate_slot`
+(``CLUSTER SETSLOT ... IMPORTING`` / ``MIGRATING``, ``MIGRATE`` of every key, ``SETSLOT ...
+NODE``, as ``redis-cli --cluster reshard`` does).
 
-Invariant: after ``start()`` (and after ``failover``/``migrate_slot``) every node reports
+Invariant: after ``start()`` (and after ``failover``/``crash_primary``/``migrate_slot``) every
+node reports
 ``cluster_state:ok`` and names the same primary for every slot asked about; ``stop()`` kills
 every process and removes the folder. ``settings_env()`` gives the environment that puts a
 tokenfleet process in cluster mode here.
@@ -127,6 +129,37 @@ class LocalCluster:
         self._wait(switched, f"the failover of slot {slot} to {new}", timeout_s)
         return old, new
 
+    def crash_primary(self, slot: int, timeout_s: float = 60.0) -> tuple[int, int]:
+        """SIGKILL ``slot``'s primary; wait until the cluster has promoted its replica on its own
+        (the other primaries flag the dead one failed after ``node_timeout_ms`` and vote) and
+        every live node names it; then start the killed node again — empty (no persistence),
+        with its node id and config file — and wait until it has rejoined as the new primary's
+        replica with its link up. Until then the new primary has no replica (what ``WAIT``
+        waits for). Returns (old, new)."""
+        old = self.owner_port(slot)
+        new = self.replica_of(old)
+        proc = self.procs[old]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+        def promoted() -> bool:
+            return self._role(new) == "master" and self._agreed(slot, new)
+
+        self._wait(promoted, f"the cluster to promote {new} for slot {slot}", timeout_s)
+        self._spawn(old)
+
+        def rejoined() -> bool:
+            info = self._info(old, "replication")
+            return (
+                info.get("role") == "slave"
+                and int(info.get("master_port", 0)) == new
+                and info.get("master_link_status") == "up"
+                and self._agreed(slot, new)
+            )
+
+        self._wait(rejoined, f"{old} to rejoin as {new}'s replica", timeout_s)
+        return old, new
+
     def migrate_slot(self, slot: int, to_port: int, timeout_s: float = 60.0) -> int:
         """Move ``slot`` (and every key in it) to the primary on ``to_port``; returns how many
         keys moved. Writes to the slot meanwhile get ASK/TRYAGAIN (tokenfleet waits them out)."""
@@ -177,7 +210,7 @@ class LocalCluster:
     # -- internals ------------------------------------------------------------------------------
     def _spawn(self, port: int) -> None:
         node_dir = self.dir / f"node-{port}"
-        node_dir.mkdir()
+        node_dir.mkdir(exist_ok=True)  # a node started again keeps its nodes.conf (its identity)
         args = [str(self.binary), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "no", "--dir", str(node_dir), "--cluster-enabled", "yes",
                 "--cluster-config-file", f"nodes-{port}.conf",
@@ -250,7 +283,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for port, proc in self.procs.items():
-                if proc.poll() is not None:
+                if proc.poll() is not None and proc.returncode != -signal.SIGKILL:
                     raise RuntimeError(f"redis node on {port} exited:\n{self.logs()}")
             if predicate():
                 return
