@@ -1,4 +1,4 @@
-"""Run an rq cron config with rq's JSON serializer.
+"""Run an rq cron config with rq's JSON serializer, on rq's Redis in the settings' Redis mode.
 
 rq 3.0's ``CronJob.enqueue`` builds its ``Queue`` without a serializer, so ``rq cron`` pickles
 every job it enqueues whatever ``-S`` says, and the worker would have to unpickle them. This
@@ -8,6 +8,18 @@ whose enqueue uses ``JSONSerializer``::
     python -m tokenfleet.producer.cron examples/cron_config.py --url redis://redis:6379/0
 
 Pair it with ``rq worker -S json QUEUE``.
+
+rq's Redis (where the queues live; the cron process talks to nothing else) is ``--url``, else
+``RQ_REDIS_URL``, else ``REDIS_URL``, reached in the Redis mode of the settings
+(``TOKENFLEET_REDIS_MODE`` or ``--redis-mode``, with ``--sentinels`` / ``--sentinel-service``):
+
+- ``standalone``: the server the URL names.
+- ``sentinel``: the primary the sentinels name (``shared.redis_connect.redis_client``); the URL
+  gives only the db, credentials and TLS, as for every tokenfleet process.
+- ``cluster``: refused at start. rq talks to one server and its transactions span keys in many
+  hash slots, so its queues need a standalone or Sentinel Redis; run the cron process (and
+  ``rq worker``) on one with ``--redis-mode standalone --url ...``, while the jobs reach the
+  fleet on the cluster through the rq worker's own settings (``producer.jobs``).
 """
 
 from __future__ import annotations
@@ -24,6 +36,20 @@ from rq.cron import CronJob, CronScheduler
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
+
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.redis_connect import redis_client
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
+from tokenfleet.shared.settings import Settings
+
+PROG = "python -m tokenfleet.producer.cron"
+CLUSTER_REFUSED = (
+    "rq needs a standalone or Sentinel Redis for its queues, not a Redis Cluster "
+    "(TOKENFLEET_REDIS_MODE / --redis-mode is cluster): point the cron process and rq worker at "
+    "one with --redis-mode standalone --url redis://RQ-REDIS:6379/0 (or RQ_REDIS_URL); the jobs "
+    "still reach the fleet on the cluster through the rq worker's own TOKENFLEET_REDIS_MODE and "
+    "REDIS_URL"
+)
 
 
 def enqueue_json(cron_job: CronJob, connection: Redis) -> Job:
@@ -51,23 +77,69 @@ class JsonCronScheduler(CronScheduler):
         return enqueued
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m tokenfleet.producer.cron CONFIG [--url URL] [--logging-level LEVEL]``."""
-    parser = argparse.ArgumentParser(prog="python -m tokenfleet.producer.cron")
+def build_parser() -> argparse.ArgumentParser:
+    """The command's flags: the config, rq's Redis (``--url``, alias ``--redis-url``) and the
+    Redis-mode flags every tokenfleet command takes (``shared.redis_flags``)."""
+    # "resolve": our --url/--redis-url replaces redis_flags' --redis-url (rq's URL comes first)
+    parser = argparse.ArgumentParser(prog=PROG, conflict_handler="resolve")
     parser.add_argument("config", help="cron config file or module (rq.cron.register calls)")
+    add_redis_flags(parser)
     parser.add_argument(
         "--url",
-        default=os.environ.get("RQ_REDIS_URL")
-        or os.environ.get("REDIS_URL", "redis://localhost:6379/0"),
-        help="Redis URL of the rq queues",
+        "--redis-url",
+        dest="redis_url",
+        default=None,
+        help="rq's Redis (default: $RQ_REDIS_URL, else $REDIS_URL, else "
+        "redis://localhost:6379/0; in sentinel mode: the db, credentials and TLS only)",
     )
     parser.add_argument("--logging-level", default="INFO")
-    args = parser.parse_args(argv)
-    sys.path.insert(0, os.getcwd())  # like `rq cron --path .`: relative configs import
-    scheduler = JsonCronScheduler(
-        connection=Redis.from_url(args.url), logging_level=args.logging_level.upper()
-    )
+    return parser
+
+
+def rq_settings(args: argparse.Namespace) -> Settings:
+    """The settings of rq's Redis: the environment with the flags on top, the URL being
+    ``--url``, else ``RQ_REDIS_URL``, else ``REDIS_URL``.
+
+    Raises:
+        SettingsError: a bad environment variable or flag value.
+    """
+    return settings_from_flags(args, redis_url=os.environ.get("RQ_REDIS_URL") or None)
+
+
+def rq_connection(settings: Settings) -> Redis:
+    """A sync client on rq's Redis in the settings' mode (module docstring).
+
+    Raises:
+        SettingsError: cluster mode (rq's queues need a standalone or Sentinel Redis).
+    """
+    if settings.redis_mode == "cluster":
+        raise SettingsError(CLUSTER_REFUSED)
+    return redis_client(settings)
+
+
+def build_scheduler(argv: Sequence[str] | None = None) -> JsonCronScheduler:
+    """Parse ``argv``, connect to rq's Redis and load the config; the scheduler is not started.
+
+    Raises:
+        SettingsError: bad settings, or cluster mode.
+    """
+    args = build_parser().parse_args(argv)
+    connection = rq_connection(rq_settings(args))
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `rq cron --path .`: relative configs import
+    scheduler = JsonCronScheduler(connection=connection, logging_level=args.logging_level.upper())
     scheduler.load_config_from_file(args.config)
+    return scheduler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m tokenfleet.producer.cron CONFIG [--url URL] [--redis-mode MODE ...]``;
+    exits 2 with a one-line message on bad settings (cluster mode included)."""
+    try:
+        scheduler = build_scheduler(argv)
+    except SettingsError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
     scheduler.start()
     return 0
 
