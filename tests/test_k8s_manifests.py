@@ -1,7 +1,9 @@
 """deploy/k8s, validated offline: every file parses, every object has its kind's required fields,
 references resolve (ConfigMap, Secret, Deployment, TriggerAuthentication), the settings it sets
 are ones tokenfleet accepts, and KEDA's triggers name the streams and consumer group the code
-uses for exactly the priorities the scaled Deployment serves (batch: from zero)."""
+uses for exactly the priorities the scaled Deployment serves (batch: from zero). The same holds
+for cluster/keda-cluster.yaml, keda.yaml for a Redis Cluster (hash-tagged stream names, KEDA's
+redis-cluster-streams trigger), which must scale exactly as keda.yaml does."""
 
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.worker_settings import parse_priorities
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+# KEDA files: path under K8S -> (trigger type, whether stream names are cluster-mode ones)
+KEDA_FILES = {
+    "keda.yaml": ("redis-streams", False),
+    "cluster/keda-cluster.yaml": ("redis-cluster-streams", True),
+}
+CONNECTION_FIELDS = {"address", "addresses", "databaseIndex", "stream"}  # what a mode changes
 REQUIRED = {  # kind -> dotted paths every object of that kind must have
     "ConfigMap": ["metadata.name", "data"],
     "Secret": ["metadata.name", "stringData"],
@@ -42,12 +50,13 @@ def _get(obj: dict[str, Any], path: str) -> Any:
     return obj
 
 
+def _load(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None]
+
+
 def _objects() -> list[dict[str, Any]]:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    objects = []
-    for name in kustomization["resources"]:
-        objects += [d for d in yaml.safe_load_all((K8S / name).read_text()) if d is not None]
-    return objects
+    return [obj for name in kustomization["resources"] for obj in _load(name)]
 
 
 def _by_kind(kind: str) -> dict[str, dict[str, Any]]:
@@ -94,23 +103,34 @@ def test_deployments_select_their_pods_and_load_existing_settings() -> None:
         ), svc["metadata"]["name"]
 
 
-def _scaled(name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
-    so = _by_kind("ScaledObject")[name]
+def _scaled(
+    name: str, keda_file: str = "keda.yaml"
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
+    """The ScaledObject ``name`` of ``keda_file``, the Deployment it scales, and its env."""
+    [so] = [
+        o for o in _load(keda_file) if o["kind"] == "ScaledObject" and o["metadata"]["name"] == name
+    ]
     dep = _by_kind("Deployment")[so["spec"]["scaleTargetRef"]["name"]]
     return so, dep, _env(dep)
 
 
+@pytest.mark.parametrize("keda_file", sorted(KEDA_FILES))
 @pytest.mark.parametrize("name", ["tokenfleet-worker", "tokenfleet-worker-batch"])
-def test_keda_triggers_read_the_lag_of_the_streams_the_workers_serve(name: str) -> None:
-    so, _dep, env = _scaled(name)
-    keys = Keys(env["TOKENFLEET_KEY_PREFIX"])
+def test_keda_triggers_read_the_lag_of_the_streams_the_workers_serve(
+    name: str, keda_file: str
+) -> None:
+    trigger_type, cluster = KEDA_FILES[keda_file]
+    so, _dep, env = _scaled(name, keda_file)
+    keys = Keys(env["TOKENFLEET_KEY_PREFIX"], cluster=cluster)
     model = env.get("TOKENFLEET_MODEL_NAME", "default")
     served = {keys.stream(model, p) for p in parse_priorities(env.get("TOKENFLEET_PRIORITIES"))}
-    auths = _by_kind("TriggerAuthentication")
+    auths = {
+        o["metadata"]["name"] for o in _load(keda_file) if o["kind"] == "TriggerAuthentication"
+    }
     streams = set()
     for trigger in so["spec"]["triggers"]:
         meta = trigger["metadata"]
-        assert trigger["type"] == "redis-streams"
+        assert trigger["type"] == trigger_type
         assert meta["consumerGroup"] == CONSUMER_GROUP
         assert int(meta["lagCount"]) > 0  # the XINFO GROUPS lag: what status --json reports
         assert "pendingEntriesCount" not in meta and "streamLength" not in meta
@@ -133,3 +153,31 @@ def test_the_trigger_authentication_reads_an_existing_secret_key() -> None:
     for auth in _by_kind("TriggerAuthentication").values():
         for ref in auth["spec"]["secretTargetRef"]:
             assert ref["key"] in secrets[ref["name"]]["stringData"]
+
+
+def test_the_cluster_keda_file_scales_as_keda_yaml_on_the_cluster() -> None:
+    """Only the connection (addresses, no db) and the stream names (hash-tagged) differ."""
+    variants = {str(p.relative_to(K8S)) for p in K8S.glob("*/**/*.yaml")}
+    assert variants == set(KEDA_FILES) - {"keda.yaml"}  # no file here goes unchecked
+    base, cluster = _load("keda.yaml"), _load("cluster/keda-cluster.yaml")
+    assert [(o["kind"], o["metadata"]) for o in cluster] == [
+        (o["kind"], o["metadata"]) for o in base
+    ]
+    for b, c in zip(base, cluster, strict=True):
+        assert c["apiVersion"] == API_VERSIONS[c["kind"]]
+        if c["kind"] != "ScaledObject":
+            assert c == b  # the TriggerAuthentication: the same Secret key
+            continue
+        assert {**c["spec"], "triggers": None} == {**b["spec"], "triggers": None}
+        for bt, ct in zip(b["spec"]["triggers"], c["spec"]["triggers"], strict=True):
+            bm, cm = bt["metadata"], ct["metadata"]
+            assert "address" not in cm and "databaseIndex" not in cm
+            for address in cm["addresses"].split(","):
+                host, _, port = address.rpartition(":")
+                assert host and port.isdigit(), address
+            prefix, tail = bm["stream"].split(":", 1)
+            assert cm["stream"] == f"{{{prefix}}}:{tail}"
+            assert {k: v for k, v in cm.items() if k not in CONNECTION_FIELDS} == {
+                k: v for k, v in bm.items() if k not in CONNECTION_FIELDS
+            }
+            assert ct["authenticationRef"] == bt["authenticationRef"]
