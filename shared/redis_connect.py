@@ -25,7 +25,9 @@
 
 Every client also carries ``Settings.redis_wait_replicas`` (``shared.replica_wait``): the
 worker's pipelines then end each round trip with ``WAIT``, and the producer its writes (submits,
-bulk submits, cancels).
+bulk submits, cancels). In every mode its connections take a ``NOREPLICAS`` reply (a primary
+with ``min-replicas-to-write`` that lacks replicas) as a lost connection
+(``replica_wait.refusing``).
 
 Invariant: every client a tokenfleet process uses for the fleet's data comes from here, so one
 setting switches all of them (tests/ha checks the full path in sentinel and in cluster mode).
@@ -37,7 +39,9 @@ from typing import Any
 
 import redis
 import redis.asyncio
+import redis.asyncio.connection
 import redis.asyncio.sentinel
+import redis.connection
 import redis.sentinel
 from redis.connection import parse_url
 
@@ -76,7 +80,8 @@ def redis_client(settings: Settings) -> redis.Redis:
         kwargs = _slot_kwargs(settings, SlotOwner, SlotConnection, SlotSSLConnection, redis)
         client = redis.Redis.from_pool(redis.ConnectionPool(**kwargs))
     else:
-        client = redis.Redis.from_url(settings.redis_url, **settings.redis_options())
+        kwargs = _url_kwargs(settings, redis.connection.parse_url, redis.Connection)
+        client = redis.Redis.from_pool(redis.ConnectionPool(**kwargs))
     return replica_wait.attach(client, _wait(settings))
 
 
@@ -100,11 +105,22 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         )
         client = redis.asyncio.Redis.from_pool(pool)
     else:
-        pool = redis.asyncio.BlockingConnectionPool.from_url(  # at its max: wait, don't fail
-            settings.redis_url, timeout=settings.redis_socket_timeout_s, **settings.redis_options()
+        kwargs = _url_kwargs(settings, redis.asyncio.connection.parse_url, redis.asyncio.Connection)
+        pool = redis.asyncio.BlockingConnectionPool(  # at its max: wait, don't fail
+            timeout=settings.redis_socket_timeout_s, **kwargs
         )
         client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
     return replica_wait.attach(client, _wait(settings))
+
+
+def _url_kwargs(settings: Settings, parse: Any, default: type) -> dict[str, Any]:
+    """Pool options for standalone mode: what the URL says (``parse``: redis-py's sync or asyncio
+    ``parse_url``), the timeouts, and the URL's kind of connection (TCP, TLS or Unix socket)
+    taking ``NOREPLICAS`` as a lost connection. (Built here, not by ``from_url``: the asyncio
+    ``from_url`` lets the URL's connection class win over the one given.)"""
+    options = parse(settings.redis_url)
+    options["connection_class"] = replica_wait.refusing(options.get("connection_class", default))
+    return {**settings.redis_options(), **options}
 
 
 def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:
@@ -133,7 +149,7 @@ def _slot_kwargs(
     query_class = module.SSLConnection if is_tls else module.Connection
     slot = fleet_slot(Keys.for_settings(settings).root)
     owner = owner_class([seed], slot, query_class, query)
-    connection_class = tls if is_tls else plain
+    connection_class = replica_wait.refusing(tls if is_tls else plain)
     return {
         **from_url,
         **settings.redis_options(),
@@ -152,7 +168,7 @@ def _primary_kwargs(settings: Settings, plain: type, tls: type) -> dict[str, Any
     for name in ("host", "port", "path"):
         from_url.pop(name, None)
     is_tls = url_class is not None and issubclass(url_class, redis.SSLConnection)
-    from_url["connection_class"] = tls if is_tls else plain
+    from_url["connection_class"] = replica_wait.refusing(tls if is_tls else plain)
     return {**from_url, **settings.redis_options()}
 
 

@@ -19,16 +19,26 @@ a submit, a ``submit_many`` round trip, a cancel — end with ``WAIT`` on their 
 submit that raises ``ReplicationLagged`` is sent again with the same request id
 (``client_core``), a cancel raises it to the caller.
 
+The server's side of the same promise, ``min-replicas-to-write N`` (README "Redis modes"): a
+primary with fewer than N replicas acknowledging within ``min-replicas-max-lag`` refuses every
+write with ``NOREPLICAS`` (a script at its first write, so before it changed anything). Every
+connection the client factory builds, in every mode, takes that reply as this module's
+``ReplicationLagged`` too (:func:`refusing`): it closes itself and the callers' outage handling
+waits and sends the refused round trip again, instead of reading it as the command's own error.
+
 Invariant: ``wait_of(client)`` is the requirement the client factory attached to ``client``
-(``shared.redis_connect``); a client built elsewhere has none (0: no WAIT).
+(``shared.redis_connect``); a client built elsewhere has none (0: no WAIT). A connection of a
+:func:`refusing` class never returns a ``NOREPLICAS`` reply to its caller.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+import redis.asyncio
 
 from tokenfleet.shared.scripts import registry
 
@@ -76,3 +86,54 @@ def checked(wait: ReplicaWait, script: registry.LuaScript, reply: Any, confirmed
         raise reply
     check(wait, confirmed)
     return registry.check_reply(script, reply)
+
+
+def refused_for_replicas(exc: BaseException) -> bool:
+    """Whether an error reply is a primary's ``min-replicas-to-write`` refusal (``NOREPLICAS``;
+    from a script too, whose message starts the same)."""
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOREPLICAS")
+
+
+def _lagged(conn: Any, exc: BaseException) -> ReplicationLagged:
+    return ReplicationLagged(
+        f"{getattr(conn, 'host', '')}:{getattr(conn, 'port', '')} refused a write: {exc} "
+        "(min-replicas-to-write); reconnecting"
+    )
+
+
+class _Refusing:
+    """Sync mixin: a ``NOREPLICAS`` reply closes the connection (the rest of a pipeline's
+    replies stay unread) and raises :class:`ReplicationLagged`."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as exc:
+            if not refused_for_replicas(exc):
+                raise
+            self.disconnect()  # type: ignore[attr-defined]
+            raise _lagged(self, exc) from exc
+
+
+class _AsyncRefusing:
+    """Asyncio mixin: as :class:`_Refusing`."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as exc:
+            if not refused_for_replicas(exc):
+                raise
+            await self.disconnect()  # type: ignore[attr-defined]
+            raise _lagged(self, exc) from exc
+
+
+@functools.cache
+def refusing(connection_class: type) -> type:
+    """``connection_class`` (a redis-py connection class, sync or asyncio, TCP, TLS or Unix
+    socket) with ``NOREPLICAS`` taken as :class:`ReplicationLagged`; one subclass per class."""
+    if issubclass(connection_class, (_Refusing, _AsyncRefusing)):
+        return connection_class
+    is_async = issubclass(connection_class, redis.asyncio.connection.AbstractConnection)
+    mixin = _AsyncRefusing if is_async else _Refusing
+    return type(f"Refusing{connection_class.__name__}", (mixin, connection_class), {})

@@ -11,6 +11,9 @@
 -- FLUSHALL: the caller recreates them). Entries read from the other streams are returned all
 -- the same: they are in the caller's pending list now. One round trip instead of one
 -- XREADGROUP per priority. A stream whose own cap is 0 is skipped (and not counted as read).
+-- A node that refuses writes now (NOREPLICAS: min-replicas-to-write; READONLY: a replica)
+-- refuses the first XREADGROUP already, so nothing was read: that error is the script's reply
+-- (the caller's outage handling), not a lost group.
 local left = tonumber(ARGV[3])
 local n = #KEYS
 local out = {'ok', 0, 0}
@@ -34,6 +37,9 @@ for i = 1, n do
     local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count,
                           'STREAMS', KEYS[i], '>')
     if type(r) == 'table' and r.err then
+      if string.sub(r.err, 1, 10) == 'NOREPLICAS' or string.sub(r.err, 1, 8) == 'READONLY' then
+        return r
+      end
       out[3] = 1
     elseif r then
       out[#out + 1] = r[1]

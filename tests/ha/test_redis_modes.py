@@ -75,15 +75,16 @@ def test_cluster_mode_clients_resolve_the_fleet_slot_from_the_url_s_node() -> No
                  redis_mode="cluster")  # fmt: skip
     client = redis_client(s)  # lazy: nothing connects yet
     pool = client.connection_pool
-    assert pool.connection_class is SlotSSLConnection
+    assert issubclass(pool.connection_class, SlotSSLConnection)
     owner = pool.connection_kwargs["slot_owner"]
     assert owner.seeds == [("node-a", 7001)] and owner.slot == fleet_slot("{f}")
     assert (pool.connection_kwargs["username"], pool.connection_kwargs["password"]) == ("app", "pw")
     assert "db" not in owner.query_kwargs and owner.query_kwargs["password"] == "pw"
     aclient = async_redis_client(Settings(redis_url="redis://n:1/0", redis_mode="cluster"))
-    assert aclient.connection_pool.connection_class is AsyncSlotConnection
+    assert issubclass(aclient.connection_pool.connection_class, AsyncSlotConnection)
     plain = redis_client(Settings(redis_url="redis://n:1", redis_mode="cluster"))
-    assert plain.connection_pool.connection_class is SlotConnection
+    kind = plain.connection_pool.connection_class
+    assert issubclass(kind, SlotConnection) and not issubclass(kind, redis.SSLConnection)
 
 
 def test_every_kind_of_connection_reaches_the_slot_s_primary(redis_cluster: LocalCluster) -> None:
@@ -145,11 +146,12 @@ def test_sentinel_mode_takes_db_credentials_and_tls_from_the_url() -> None:
     )
     client = redis_client(s)  # lazy: nothing connects yet
     kwargs = client.connection_pool.connection_kwargs
-    assert client.connection_pool.connection_class is PrimarySSLConnection
+    assert issubclass(client.connection_pool.connection_class, PrimarySSLConnection)
     assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "app", "secret")
     assert "host" not in kwargs and kwargs["socket_timeout"] == s.redis_socket_timeout_s
     plain = redis_client(Settings(redis_mode="sentinel", sentinels="h:1", sentinel_service="s"))
-    assert plain.connection_pool.connection_class is PrimaryConnection
+    kind = plain.connection_pool.connection_class
+    assert issubclass(kind, PrimaryConnection) and not issubclass(kind, redis.SSLConnection)
 
 
 def test_every_kind_of_connection_reaches_the_primary_the_sentinels_name(
@@ -243,3 +245,47 @@ def test_a_producer_write_no_replica_confirms_is_not_acknowledged(
                 await aclient.cancel("sub-2")
 
     asyncio.run(the_same_from_asyncio())
+
+
+@pytest.mark.parametrize("unix_socket", [True, False], ids=["unix", "tcp"])
+def test_a_write_refused_for_lack_of_replicas_counts_as_a_lost_connection(
+    unix_socket: bool,
+) -> None:
+    """``min-replicas-to-write`` on a server with no replica: every write is refused with
+    ``NOREPLICAS``; the factory's clients (sync and asyncio, a one-shot command and a pipeline)
+    raise ``ReplicationLagged`` (a ``ConnectionError``: the callers' outage handling) instead of
+    the command's own error, and stay usable for reads; the URL's connection kind is kept."""
+    from tokenfleet.shared.replica_wait import ReplicationLagged
+    from tokenfleet.worker.devtools.local_redis import RedisServer
+
+    with RedisServer(unix_socket=unix_socket) as server:
+        settings = Settings(redis_url=server.url, redis_retry_s=0)
+        client = redis_client(settings)
+        try:
+            client.config_set("min-replicas-to-write", 1)
+            kind = client.connection_pool.connection_class
+            assert issubclass(
+                kind, redis.UnixDomainSocketConnection if unix_socket else redis.Connection
+            )
+            with pytest.raises(ReplicationLagged, match="NOREPLICAS"):
+                client.set("k", 1)
+            pipe = client.pipeline(transaction=False)
+            pipe.get("k")
+            pipe.set("k", 1)
+            pipe.get("k")
+            with pytest.raises(ReplicationLagged):
+                pipe.execute()
+            assert client.get("k") is None  # reads still answered, nothing was written
+
+            async def refused_async() -> None:
+                aclient = async_redis_client(settings)
+                try:
+                    with pytest.raises(ReplicationLagged, match="NOREPLICAS"):
+                        await aclient.set("k", 1)
+                    assert await aclient.get("k") is None
+                finally:
+                    await aclient.aclose()
+
+            asyncio.run(refused_async())
+        finally:
+            client.close()

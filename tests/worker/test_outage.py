@@ -6,13 +6,17 @@ from __future__ import annotations
 import pytest
 import redis
 from prometheus_client import CollectorRegistry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from worker_helpers import enqueue, make_intake, make_request, record, subscribe, wait_for
 
 from tokenfleet.shared.errors import RedisUnavailable
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.redis_connect import redis_client
+from tokenfleet.shared.replica_wait import ReplicationLagged
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_redis import free_port
+from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.intake.claimer import Claimer
 from tokenfleet.worker.publish.publisher import Finish, Publisher
 from tokenfleet.worker.service.outage import BACKOFF_CEILING_S, BACKOFF_FIRST_S, OutageRider
@@ -71,7 +75,9 @@ def test_orphans_are_own_pending_entries_that_no_job_holds(
     assert claimer.orphans({e.key for e in read}) == []
 
 
-def _rider(client: redis.Redis, retry_s: float) -> tuple[OutageRider, list[float]]:
+def _rider(
+    client: redis.Redis, retry_s: float, probe_key: str = ""
+) -> tuple[OutageRider, list[float]]:
     now = [0.0]
     slept: list[float] = []
 
@@ -85,6 +91,7 @@ def _rider(client: redis.Redis, retry_s: float) -> tuple[OutageRider, list[float
         retry_s=retry_s,
         registry=CollectorRegistry(),
         model_name="m",
+        probe_key=probe_key,
         clock=lambda: now[0],
         sleep=sleep,
     )
@@ -92,7 +99,8 @@ def _rider(client: redis.Redis, retry_s: float) -> tuple[OutageRider, list[float
 
 
 def test_the_rider_backs_off_with_jitter_and_gives_up_after_retry_s() -> None:
-    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    # no redis-py retries: each PING fails at once (the fake clock counts the rider's backoff)
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
     rider, slept = _rider(dead, retry_s=5)
     with pytest.raises(RedisUnavailable, match="unreachable"):
         rider.wait(redis.ConnectionError("gone"))
@@ -109,6 +117,28 @@ def test_the_rider_returns_once_redis_answers(r: redis.Redis) -> None:
     rider.wait(redis.TimeoutError("stalled"))
     assert rider.connected and rider.outages == 1 and slept == []
     assert rider._connected._value.get() == 1
+
+
+def test_the_rider_waits_while_the_primary_refuses_writes() -> None:
+    """A primary whose ``min-replicas-to-write`` it cannot meet answers PING but refuses every
+    write: an outage that began with a refused write (``ReplicationLagged``) lasts until a write
+    goes through (here: never, so the rider gives up), one that began otherwise ends at PING."""
+    with RedisServer() as server:
+        client = redis_client(Settings(redis_url=server.url))
+        try:
+            client.config_set("min-replicas-to-write", 1)
+            rider, slept = _rider(client, retry_s=3, probe_key="tf:worker:w:probe")
+            with pytest.raises(RedisUnavailable, match="NOREPLICAS"):
+                rider.wait(ReplicationLagged("refused"))
+            assert sum(slept) >= 3
+            rider, slept = _rider(client, retry_s=3, probe_key="tf:worker:w:probe")
+            rider.wait(redis.ConnectionError("gone"))
+            assert rider.connected and slept == []
+            client.config_set("min-replicas-to-write", 0)
+            rider.wait(ReplicationLagged("refused"))
+            assert rider.connected and slept == [] and not client.exists("tf:worker:w:probe")
+        finally:
+            client.close()
 
 
 def test_redis_timeouts_are_settings() -> None:

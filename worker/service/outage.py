@@ -11,11 +11,15 @@ ride out:
    Redis, so computing more would only pile up work that must be replayed. The engine keeps its
    state (running requests, KV cache); nothing is aborted.
 2. **Wait** (:class:`OutageRider`): every pooled connection is dropped, then ``PING`` is retried
-   with exponential backoff and full jitter (``BACKOFF_FIRST_S`` doubling to
-   ``BACKOFF_CEILING_S``, each delay drawn between half and all of it, so that a fleet does not
-   reconnect in lockstep), for at most ``Settings.redis_retry_s`` (0: forever); then the worker
-   exits with status ``EXIT_REDIS_UNAVAILABLE`` for its supervisor. A stop asked meanwhile ends
-   the wait after the grace period. Logs say when the outage began, every
+   (after a refused or unconfirmed write — ``ReplicationLagged``: ``min-replicas-to-write`` or
+   ``WAIT`` — a write probe instead: ``DEL`` of a key nobody holds, then the ``WAIT`` the client
+   asks for, so a primary that answers PING but refuses writes keeps the worker waiting rather
+   than spinning through restores) with exponential backoff and full jitter
+   (``BACKOFF_FIRST_S`` doubling to ``BACKOFF_CEILING_S``, each delay drawn between half and all
+   of it, so that a fleet does not reconnect in lockstep), for at most
+   ``Settings.redis_retry_s`` (0: forever); then the worker exits with status
+   ``EXIT_REDIS_UNAVAILABLE`` for its supervisor. A stop asked meanwhile ends the wait after the
+   grace period. Logs say when the outage began, every
    ``REPORT_EVERY_S`` that it goes on, and when Redis is back; the metric
    ``tokenfleet:redis_connected`` is 0 for as long as the worker waits ("waiting for Redis"),
    and ``tokenfleet:redis_outages_total`` / ``tokenfleet:redis_outage_seconds_total`` count them.
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tokenfleet.shared import replica_wait
 from tokenfleet.shared.errors import RedisUnavailable
 
 if TYPE_CHECKING:
@@ -82,11 +87,13 @@ class OutageRider:
         retry_s: float,
         registry: CollectorRegistry,
         model_name: str,
+        probe_key: str = "",
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.client = client
+        self.probe_key = probe_key  # written (DEL: nothing there) to test that writes go through
         self.worker_name = worker_name
         self.retry_s = retry_s  # 0: forever
         self.clock = clock
@@ -120,6 +127,22 @@ class OutageRider:
         bound = min(BACKOFF_CEILING_S, BACKOFF_FIRST_S * 2 ** min(attempt, 30))
         return bound * (0.5 + 0.5 * self.jitter())
 
+    def _probe(self, writes: bool) -> None:
+        """``PING``; with ``writes`` (this outage met a write refused or not replicated:
+        ``ReplicationLagged``), a write and the client's ``WAIT`` too. Raises a ``REDIS_DOWN``
+        error while Redis is not back."""
+        self.client.ping()
+        if not (writes and self.probe_key):
+            return
+        wait = replica_wait.wait_of(self.client)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.delete(self.probe_key)  # refused with NOREPLICAS (ReplicationLagged) if need be
+        if wait is not None:
+            pipe.execute_command("WAIT", wait.num_replicas, wait.timeout_ms)
+        replies = pipe.execute()
+        if wait is not None:
+            replica_wait.check(wait, replies[-1])
+
     def wait(self, cause: BaseException, give_up: Callable[[], bool] = lambda: False) -> float:
         """Block until Redis answers ``PING`` again; returns the seconds waited.
 
@@ -140,12 +163,14 @@ class OutageRider:
             limit,
         )
         attempt = 0
+        writes = False
         next_report = start + REPORT_EVERY_S
         try:
             while True:
                 self.client.connection_pool.disconnect()  # every pooled socket is suspect
+                writes = writes or isinstance(cause, replica_wait.ReplicationLagged)
                 try:
-                    self.client.ping()
+                    self._probe(writes)
                     break
                 except REDIS_DOWN as exc:
                     cause = exc
