@@ -40,9 +40,12 @@ from typing import Any
 import redis
 import redis.asyncio
 import redis.asyncio.connection
+import redis.asyncio.retry
 import redis.asyncio.sentinel
 import redis.connection
+import redis.retry
 import redis.sentinel
+from redis.backoff import NoBackoff
 from redis.connection import parse_url
 
 from tokenfleet.shared import replica_wait
@@ -72,7 +75,7 @@ def redis_client(settings: Settings) -> redis.Redis:
     """A sync client with its own connection pool, in the settings' mode."""
     if settings.redis_mode == "sentinel":
         sentinel = redis.sentinel.Sentinel(
-            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings, redis)
         )
         kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
         client = sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
@@ -90,7 +93,7 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
     client: redis.asyncio.Redis
     if settings.redis_mode == "sentinel":
         sentinel = redis.asyncio.sentinel.Sentinel(
-            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings)
+            settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings, redis.asyncio)
         )
         kwargs = _primary_kwargs(settings, AsyncPrimaryConnection, AsyncPrimarySSLConnection)
         client = sentinel.master_for(
@@ -172,14 +175,22 @@ def _primary_kwargs(settings: Settings, plain: type, tls: type) -> dict[str, Any
     return {**from_url, **settings.redis_options()}
 
 
-def _sentinel_kwargs(settings: Settings) -> dict[str, Any]:
-    """Options for the connections to the sentinels themselves: timeouts, their own auth."""
+def _sentinel_kwargs(settings: Settings, module: Any) -> dict[str, Any]:
+    """Options for the connections to the sentinels themselves (``module``: ``redis`` or
+    ``redis.asyncio``): timeouts, their own auth, TLS (``sentinel_tls``), and no retries of
+    one sentinel — asking for the primary already goes on to the next sentinel, and redis-py's
+    default (backoff of up to seconds per retry) made each reconnect wait about 13 s on a
+    sentinel that is down or refuses us (one that died with the primary, in a failover)."""
     kwargs: dict[str, Any] = {
         "socket_timeout": settings.redis_socket_timeout_s,
         "socket_connect_timeout": settings.redis_connect_timeout_s,
+        "retry": module.retry.Retry(NoBackoff(), 0),
     }
     if settings.sentinel_username:
         kwargs["username"] = settings.sentinel_username
     if settings.sentinel_password:
         kwargs["password"] = settings.sentinel_password
+    if settings.sentinel_tls:  # the URL's ssl_* query options (CA, client cert, checks) too
+        ssl_options = {k: v for k, v in parse_url(settings.redis_url).items() if k[:4] == "ssl_"}
+        kwargs.update(ssl=True, **ssl_options)
     return kwargs

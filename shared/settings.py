@@ -56,6 +56,8 @@ class Settings:
         sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
         sentinel_username: ACL user for the sentinels themselves, if they require auth.
         sentinel_password: password for the sentinels themselves, if they require auth.
+        sentinel_tls: 1: reach the sentinels themselves over TLS, with the ``ssl_*`` options of
+            ``redis_url``'s query (its CA, client certificate, checks); 0 (default): plain TCP.
         redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
             starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
             counts as a lost connection and is sent again after reconnecting; a producer's
@@ -85,6 +87,7 @@ class Settings:
     sentinel_service: str = ""
     sentinel_username: str = ""
     sentinel_password: str = ""
+    sentinel_tls: int = 0
     redis_wait_replicas: int = 0
     redis_wait_ms: int = 500
     routing: str = "prefix"
@@ -120,6 +123,10 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SettingsError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.sentinel_tls not in (0, 1) or isinstance(self.sentinel_tls, bool):
+            raise SettingsError(
+                f"sentinel_tls (TOKENFLEET_SENTINEL_TLS) must be 0 or 1, got {self.sentinel_tls!r}"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -5,6 +5,11 @@ sentinels (``redis-server sentinel.conf --sentinel``) monitoring them as ``servi
 free 127.0.0.1 port with its own directory under one temporary folder. Failure detection is short
 (``down_after_ms``, default 1000 ms) so that a failover ends in a few seconds.
 
+Optionally the data nodes require a password (``password``: ``requirepass``, and ``masterauth``
+for replication), the sentinels one of their own (``sentinel_password``), and the data nodes
+speak TLS only (``tls``: files from ``local_tls.make_certs``; replication and the sentinels'
+connections to them use TLS too), and with ``sentinel_tls`` the sentinels too (TLS port only).
+
 Invariant: after ``start()`` returns, the replica's link to the primary is up and every sentinel
 names the primary as the service's master and knows the replica and the two other sentinels (so
 a failover can be voted at once); ``stop()`` kills every process and removes the folder.
@@ -25,6 +30,7 @@ from typing import Any
 import redis
 
 from tokenfleet.worker.devtools.local_redis import find_redis_server, free_port
+from tokenfleet.worker.devtools.local_tls import TlsFiles
 
 QUORUM = 2  # of 3 sentinels
 
@@ -39,7 +45,17 @@ class LocalSentinel:
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 4000,
         binary: Path | None = None,
+        password: str = "",
+        sentinel_password: str = "",
+        tls: TlsFiles | None = None,
+        sentinel_tls: bool = False,
     ) -> None:
+        if sentinel_tls and tls is None:
+            raise ValueError("sentinel_tls needs the tls files")
+        self.sentinel_tls = sentinel_tls
+        self.password = password
+        self.sentinel_password = sentinel_password
+        self.tls = tls
         self.binary = binary or find_redis_server("system")
         self.service = service
         self.down_after_ms = down_after_ms
@@ -72,12 +88,13 @@ class LocalSentinel:
             port = free_port()
             self.sentinel_ports.append(port)
             conf = self.dir / f"sentinel-{port}.conf"
+            ports = f"port 0\ntls-port {port}\n" if self.sentinel_tls else f"port {port}\n"
             conf.write_text(
-                f"port {port}\nbind 127.0.0.1\ndir {self.dir}\n"
+                f"{ports}bind 127.0.0.1\ndir {self.dir}\n"
                 f"sentinel monitor {self.service} 127.0.0.1 {primary} {QUORUM}\n"
                 f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
                 f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}\n"
-                f"sentinel parallel-syncs {self.service} 1\n"
+                f"sentinel parallel-syncs {self.service} 1\n" + self._sentinel_conf_extra()
             )
             self._spawn(port, [str(conf), "--sentinel"])
         try:
@@ -91,7 +108,7 @@ class LocalSentinel:
         """The port of the current primary, as the first sentinel that answers reports it."""
         for port in self.sentinel_ports:
             try:
-                with redis.Redis(port=port, socket_timeout=1) as s:
+                with self._sentinel(port, 1) as s:
                     addr = s.sentinel_get_master_addr_by_name(self.service)
             except redis.RedisError:
                 continue
@@ -100,15 +117,23 @@ class LocalSentinel:
         raise RuntimeError("no sentinel names a primary")
 
     def url(self, port: int) -> str:
-        """A direct URL of one data node (for test checks; tokenfleet goes through sentinels)."""
-        return f"redis://127.0.0.1:{port}/0"
+        """A direct URL of one data node (for test checks; tokenfleet goes through sentinels),
+        with the password and TLS options the nodes need."""
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls is None:
+            return f"redis://{auth}127.0.0.1:{port}/0"
+        return f"rediss://{auth}127.0.0.1:{port}/0?ssl_ca_certs={self.tls.ca_cert}"
+
+    def data_client(self, port: int, timeout_s: float = 5) -> redis.Redis:
+        """A direct client of one data node (password, TLS as needed)."""
+        return redis.Redis.from_url(self.url(port), socket_timeout=timeout_s)
 
     def failover(self, timeout_s: float = 30.0) -> int:
         """``SENTINEL FAILOVER`` and wait until every sentinel names the new primary, it accepts
         writes, and the old primary (if alive) has been turned into its replica (until then
         the old one still takes writes that the switch will discard); returns the new port."""
         old = self.primary_port()
-        with redis.Redis(port=self.sentinel_ports[0], socket_timeout=5) as s:
+        with self._sentinel(self.sentinel_ports[0], 5) as s:
             s.execute_command("SENTINEL", "FAILOVER", self.service)
 
         def switched() -> bool:
@@ -178,8 +203,38 @@ class LocalSentinel:
     def _data_args(self, port: int) -> list[str]:
         node_dir = self.dir / f"node-{port}"
         node_dir.mkdir(exist_ok=True)  # (a restarted node: its folder is there)
-        return ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(node_dir)]  # fmt: skip
+        if self.password:
+            args += ["--requirepass", self.password, "--masterauth", self.password]
+        if self.tls is not None:  # TLS only: the plain port closed, replication over TLS
+            args[1] = "0"
+            args += ["--tls-port", str(port), "--tls-replication", "yes", "--tls-auth-clients",
+                     "no", *self.tls.server_args()]  # fmt: skip
+        return args
+
+    def _sentinel_conf_extra(self) -> str:
+        lines = ""
+        if self.password:
+            lines += f"sentinel auth-pass {self.service} {self.password}\n"
+        if self.sentinel_password:
+            lines += f"requirepass {self.sentinel_password}\n"
+            lines += f"sentinel sentinel-pass {self.sentinel_password}\n"
+        if self.tls is not None:
+            lines += "tls-replication yes\ntls-auth-clients no\n" + self.tls.conf_lines()
+        return lines
+
+    def _sentinel(self, port: int, timeout_s: float) -> redis.Redis:
+        tls: dict[str, object] = {}
+        if self.sentinel_tls and self.tls is not None:
+            tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca_cert)}
+        return redis.Redis(
+            host="127.0.0.1",
+            port=port,
+            password=self.sentinel_password or None,
+            socket_timeout=timeout_s,
+            **tls,  # type: ignore[arg-type]  # (ssl options only with sentinel_tls)
+        )
 
     def _spawn(self, port: int, args: list[str]) -> None:
         with open(self.dir / f"{port}.log", "ab") as log:  # the child keeps its own descriptor
@@ -195,7 +250,7 @@ class LocalSentinel:
         for port in self.sentinel_ports:
             if self._master_port(port) != primary:
                 return False
-            with redis.Redis(port=port, socket_timeout=1) as s:
+            with self._sentinel(port, 1) as s:
                 others = s.execute_command("SENTINEL", "SENTINELS", self.service)
                 replicas = s.execute_command("SENTINEL", "REPLICAS", self.service)
             if len(others) != 2 or len(replicas) != 1:
@@ -204,7 +259,7 @@ class LocalSentinel:
 
     def _master_port(self, sentinel_port: int) -> int | None:
         try:
-            with redis.Redis(port=sentinel_port, socket_timeout=1) as s:
+            with self._sentinel(sentinel_port, 1) as s:
                 addr = s.sentinel_get_master_addr_by_name(self.service)
         except redis.RedisError:
             return None
@@ -215,7 +270,7 @@ class LocalSentinel:
 
     def _info(self, port: int, section: str) -> dict[str, Any]:
         try:
-            with redis.Redis(port=port, socket_timeout=1) as c:
+            with self.data_client(port, 1) as c:
                 return dict(c.info(section))
         except redis.RedisError:
             return {}
