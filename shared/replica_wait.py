@@ -70,7 +70,12 @@ def wait_of(client: Any) -> ReplicaWait | None:
 
 
 def check(wait: ReplicaWait, reply: Any) -> None:
-    """Raise ``ReplicationLagged`` unless ``reply`` (WAIT's) reaches ``wait.num_replicas``."""
+    """Raise ``ReplicationLagged`` unless ``reply`` (WAIT's) reaches ``wait.num_replicas``; a
+    WAIT the ACL refuses (``NOPERM``) is raised as it is: a setup fault, not a lagging replica
+    (waiting would never end). Any other error reply counts as lag (a demoted primary answers
+    that WAIT cannot be used on a replica)."""
+    if isinstance(reply, redis.exceptions.NoPermissionError):
+        raise reply
     if isinstance(reply, BaseException) or int(reply) < wait.num_replicas:
         raise ReplicationLagged(
             f"WAIT {wait.num_replicas} {wait.timeout_ms}: {reply!r} replicas confirmed the "

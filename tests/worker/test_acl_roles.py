@@ -321,3 +321,35 @@ def test_a_worker_user_without_client_unblock_says_so_once(
     finally:
         rr.acl_deluser(user)
         rr.delete(*(rr.keys(f"{PREFIX}:*") or ["-"]))
+
+
+def test_every_role_may_wait_for_replicas_and_a_refused_wait_is_not_lag(
+    urls: dict[str, str], rr: redis.Redis
+) -> None:
+    """``TOKENFLEET_REDIS_WAIT_REPLICAS`` ends round trips with ``WAIT``: the README's roles
+    allow it; a user without it gets Redis's ``NOPERM`` at once, never an endless "replicas
+    lag" outage."""
+    from tokenfleet.shared.redis_connect import redis_client
+    from tokenfleet.worker.pipelined import ScriptPipeline
+
+    for user in USERS:
+        assert not _refused(urls[user], "WAIT", 0, 0), user
+    rr.acl_setuser(
+        "tf-nowait",
+        enabled=True,
+        passwords=["+nowait-pw"],
+        keys=[f"{PREFIX}:*"],
+        commands=["+ping", "+hello", "+auth", "+select", "+client|setname"],
+    )
+    try:
+        url = "unix://tf-nowait:nowait-pw@" + urls["tf-admin"].split("@", 1)[1]
+        client = redis_client(Settings(redis_url=url, redis_wait_replicas=1))
+        try:
+            pipe = ScriptPipeline(client)
+            pipe.command("PING")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                pipe.execute()
+        finally:
+            client.close()
+    finally:
+        rr.acl_deluser("tf-nowait")
