@@ -17,6 +17,8 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:cancel           set of request ids whose cancellation was asked for while running
     P:worker:NAME      hash: a worker's heartbeat (expires with its TTL)
     P:workers          sorted set: worker name -> last heartbeat (seconds)
+    P:probe:NAME       string: written (1 s TTL) by worker NAME to test that writes go through
+                       and replicate while it waits out an outage (worker/service/outage.py)
     P:dead             stream: dead-letter entries (undecodable or invalid requests)
     P:rq:M:L:NAME      stream: the requests of queue (M, L) routed to worker NAME (same
                        consumer group as P:q:M:L; any worker may steal entries that waited)
@@ -239,6 +241,11 @@ class _WorkerKeys(_Root):
     def worker(self, name: str) -> str:
         """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
         return f"{self.root}:worker:{name}"
+
+    def worker_probe(self, name: str) -> str:
+        """String: what worker ``name`` writes (with a short TTL) while it waits out an outage,
+        to learn that writes go through again and reach replicas."""
+        return f"{self.root}:probe:{name}"
 
     @property
     def workers(self) -> str:

@@ -2,8 +2,9 @@
 
 ``redis_client(settings)`` / ``async_redis_client(settings)`` read ``Settings.redis_mode``:
 
-- ``standalone``: ``redis.Redis.from_url(settings.redis_url, **settings.redis_options())``, as
-  every process did before there were modes.
+- ``standalone``: the server ``settings.redis_url`` names, with the pool options
+  ``Redis.from_url(settings.redis_url, **settings.redis_options())`` would give (built here:
+  the connection class is one of ``replica_wait.refusing``'s).
 - ``sentinel``: the primary of ``settings.sentinel_service`` as the ``settings.sentinels`` report
   it (redis-py's ``Sentinel.master_for``). ``redis_url`` still gives the database number, the
   username and password, and TLS (``rediss://`` and its ``ssl_*`` query options); its host and
@@ -109,9 +110,8 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         client = redis.asyncio.Redis.from_pool(pool)
     else:
         kwargs = _url_kwargs(settings, redis.asyncio.connection.parse_url, redis.asyncio.Connection)
-        pool = redis.asyncio.BlockingConnectionPool(  # at its max: wait, don't fail
-            timeout=settings.redis_socket_timeout_s, **kwargs
-        )
+        kwargs = {"timeout": settings.redis_socket_timeout_s, **kwargs}  # (a URL's ?timeout= wins)
+        pool = redis.asyncio.BlockingConnectionPool(**kwargs)  # at its max: wait, don't fail
         client = redis.asyncio.Redis.from_pool(pool)  # the client owns (and closes) its pool
     return replica_wait.attach(client, _wait(settings))
 

@@ -94,15 +94,16 @@ def checked(wait: ReplicaWait, script: registry.LuaScript, reply: Any, confirmed
 
 
 def refused_for_replicas(exc: BaseException) -> bool:
-    """Whether an error reply is a primary's ``min-replicas-to-write`` refusal (``NOREPLICAS``;
-    from a script too, whose message starts the same)."""
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith("NOREPLICAS")
+    """Whether an error reply is a primary's ``min-replicas-to-write`` refusal: ``NOREPLICAS``
+    (Redis 7 starts a script's refusal the same; 6.2 wraps it: ``ERR Error running script ...
+    -NOREPLICAS ...``)."""
+    return isinstance(exc, redis.ResponseError) and "NOREPLICAS" in str(exc)
 
 
 def _lagged(conn: Any, exc: BaseException) -> ReplicationLagged:
+    where = getattr(conn, "path", "") or f"{getattr(conn, 'host', '')}:{getattr(conn, 'port', '')}"
     return ReplicationLagged(
-        f"{getattr(conn, 'host', '')}:{getattr(conn, 'port', '')} refused a write: {exc} "
-        "(min-replicas-to-write); reconnecting"
+        f"{where} refused a write: {exc} (min-replicas-to-write); reconnecting"
     )
 
 

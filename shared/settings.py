@@ -159,7 +159,8 @@ class Settings:
         return cls(**values)
 
     def redis_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``redis.Redis.from_url`` (sync or asyncio): the timeouts above.
+        """Connection pool options (sync or asyncio; ``shared.redis_connect`` adds the URL's):
+        the timeouts above.
         redis-py's own retries are left at their default; riding out an outage is the caller's
         (the worker's loop, a handle's reads), which knows what is safe to repeat."""
         return {

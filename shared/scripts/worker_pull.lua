@@ -37,7 +37,7 @@ for i = 1, n do
     local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', count,
                           'STREAMS', KEYS[i], '>')
     if type(r) == 'table' and r.err then
-      if string.sub(r.err, 1, 10) == 'NOREPLICAS' or string.sub(r.err, 1, 8) == 'READONLY' then
+      if string.find(r.err, 'NOREPLICAS', 1, true) or string.find(r.err, 'READONLY', 1, true) then
         return r
       end
       out[3] = 1

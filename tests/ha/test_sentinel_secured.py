@@ -45,8 +45,7 @@ def secured(tls: TlsFiles) -> Iterator[LocalSentinel]:
         service="tfsec",
         password=DATA_PASSWORD,
         sentinel_password=SENTINEL_PASSWORD,
-        tls=tls,
-        sentinel_tls=True,
+        tls=tls,  # the data nodes and the sentinels: TLS only
     ) as setup:
         yield setup
 

@@ -122,23 +122,30 @@ def test_the_rider_returns_once_redis_answers(r: redis.Redis) -> None:
 def test_the_rider_waits_while_the_primary_refuses_writes() -> None:
     """A primary whose ``min-replicas-to-write`` it cannot meet answers PING but refuses every
     write: an outage that began with a refused write (``ReplicationLagged``) lasts until a write
-    goes through (here: never, so the rider gives up), one that began otherwise ends at PING."""
+    goes through (here: never, so the rider gives up), one that began otherwise ends at PING; a
+    write that goes through but no replica confirms (``WAIT``) keeps it waiting too."""
+    probe = Keys("tf").worker_probe("w")
     with RedisServer() as server:
         client = redis_client(Settings(redis_url=server.url))
+        waiting = redis_client(Settings(redis_url=server.url, redis_wait_replicas=1))
         try:
             client.config_set("min-replicas-to-write", 1)
-            rider, slept = _rider(client, retry_s=3, probe_key="tf:worker:w:probe")
+            rider, slept = _rider(client, retry_s=3, probe_key=probe)
             with pytest.raises(RedisUnavailable, match="NOREPLICAS"):
                 rider.wait(ReplicationLagged("refused"))
-            assert sum(slept) >= 3
-            rider, slept = _rider(client, retry_s=3, probe_key="tf:worker:w:probe")
+            rider, slept = _rider(client, retry_s=3, probe_key=probe)
             rider.wait(redis.ConnectionError("gone"))
             assert rider.connected and slept == []
+            assert not client.exists(probe)  # PING only: nothing written
             client.config_set("min-replicas-to-write", 0)
             rider.wait(ReplicationLagged("refused"))
-            assert rider.connected and slept == [] and not client.exists("tf:worker:w:probe")
+            assert rider.connected and slept == [] and 0 < client.pttl(probe) <= 1000
+            rider, slept = _rider(waiting, retry_s=3, probe_key=probe)  # no replica to confirm
+            with pytest.raises(RedisUnavailable, match="0 replicas confirmed"):
+                rider.wait(ReplicationLagged("unconfirmed"))
         finally:
             client.close()
+            waiting.close()
 
 
 def test_redis_timeouts_are_settings() -> None:

@@ -8,7 +8,9 @@ free 127.0.0.1 port with its own directory under one temporary folder. Failure d
 Optionally the data nodes require a password (``password``: ``requirepass``, and ``masterauth``
 for replication), the sentinels one of their own (``sentinel_password``), and the data nodes
 speak TLS only (``tls``: files from ``local_tls.make_certs``; replication and the sentinels'
-connections to them use TLS too), and with ``sentinel_tls`` the sentinels too (TLS port only).
+connections to them use TLS too), and then the sentinels too (TLS port only: with
+``tls-replication`` sentinels also reach each other over TLS, so their plain ports would refuse
+one another and no failover could be voted).
 
 Invariant: after ``start()`` returns, the replica's link to the primary is up and every sentinel
 names the primary as the service's master and knows the replica and the two other sentinels (so
@@ -48,11 +50,7 @@ class LocalSentinel:
         password: str = "",
         sentinel_password: str = "",
         tls: TlsFiles | None = None,
-        sentinel_tls: bool = False,
     ) -> None:
-        if sentinel_tls and tls is None:
-            raise ValueError("sentinel_tls needs the tls files")
-        self.sentinel_tls = sentinel_tls
         self.password = password
         self.sentinel_password = sentinel_password
         self.tls = tls
@@ -88,7 +86,7 @@ class LocalSentinel:
             port = free_port()
             self.sentinel_ports.append(port)
             conf = self.dir / f"sentinel-{port}.conf"
-            ports = f"port 0\ntls-port {port}\n" if self.sentinel_tls else f"port {port}\n"
+            ports = f"port {port}\n" if self.tls is None else f"port 0\ntls-port {port}\n"
             conf.write_text(
                 f"{ports}bind 127.0.0.1\ndir {self.dir}\n"
                 f"sentinel monitor {self.service} 127.0.0.1 {primary} {QUORUM}\n"
@@ -226,14 +224,14 @@ class LocalSentinel:
 
     def _sentinel(self, port: int, timeout_s: float) -> redis.Redis:
         tls: dict[str, object] = {}
-        if self.sentinel_tls and self.tls is not None:
+        if self.tls is not None:
             tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca_cert)}
         return redis.Redis(
             host="127.0.0.1",
             port=port,
             password=self.sentinel_password or None,
             socket_timeout=timeout_s,
-            **tls,  # type: ignore[arg-type]  # (ssl options only with sentinel_tls)
+            **tls,  # type: ignore[arg-type]  # (ssl options only with tls)
         )
 
     def _spawn(self, port: int, args: list[str]) -> None:

@@ -150,7 +150,7 @@ class WorkerService:
             retry_s=settings.redis_retry_s,
             registry=self.metrics.registry,
             model_name=wsettings.model_name,
-            probe_key=self.intake.keys.worker(name) + ":probe",
+            probe_key=self.intake.keys.worker_probe(name),
         )
         self.doorbell = wire_doorbell(engine, self.client, self.intake.keys, wsettings)
         self._held: list[Any] | None = None  # a step's outputs not yet in the outbox

@@ -12,9 +12,11 @@ ride out:
    state (running requests, KV cache); nothing is aborted.
 2. **Wait** (:class:`OutageRider`): every pooled connection is dropped, then ``PING`` is retried
    (after a refused or unconfirmed write — ``ReplicationLagged``: ``min-replicas-to-write`` or
-   ``WAIT`` — a write probe instead: ``DEL`` of a key nobody holds, then the ``WAIT`` the client
-   asks for, so a primary that answers PING but refuses writes keeps the worker waiting rather
-   than spinning through restores) with exponential backoff and full jitter
+   ``WAIT`` — a write probe too: ``SET`` of the worker's probe key with a 1 s TTL, then the
+   ``WAIT`` the client asks for, so a primary that answers PING but refuses writes or cannot
+   replicate keeps the worker waiting rather than spinning through restores; the write must
+   change something: from Redis 7.2 a ``WAIT`` after a write that replicated nothing is
+   confirmed at once) with exponential backoff and full jitter
    (``BACKOFF_FIRST_S`` doubling to ``BACKOFF_CEILING_S``, each delay drawn between half and all
    of it, so that a fleet does not reconnect in lockstep), for at most
    ``Settings.redis_retry_s`` (0: forever); then the worker exits with status
@@ -93,7 +95,7 @@ class OutageRider:
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.client = client
-        self.probe_key = probe_key  # written (DEL: nothing there) to test that writes go through
+        self.probe_key = probe_key  # written (SET, 1 s TTL) to test that writes go through
         self.worker_name = worker_name
         self.retry_s = retry_s  # 0: forever
         self.clock = clock
@@ -136,7 +138,7 @@ class OutageRider:
             return
         wait = replica_wait.wait_of(self.client)
         pipe = self.client.pipeline(transaction=False)
-        pipe.delete(self.probe_key)  # refused with NOREPLICAS (ReplicationLagged) if need be
+        pipe.set(self.probe_key, 1, px=1000)  # NOREPLICAS (ReplicationLagged) if refused
         if wait is not None:
             pipe.execute_command("WAIT", wait.num_replicas, wait.timeout_ms)
         replies = pipe.execute()
@@ -144,7 +146,8 @@ class OutageRider:
             replica_wait.check(wait, replies[-1])
 
     def wait(self, cause: BaseException, give_up: Callable[[], bool] = lambda: False) -> float:
-        """Block until Redis answers ``PING`` again; returns the seconds waited.
+        """Block until Redis answers ``PING`` again (and, after a refused or unconfirmed
+        write, takes and replicates a write: :meth:`_probe`); returns the seconds waited.
 
         Raises:
             RedisUnavailable: ``retry_s`` passed (when not 0), or ``give_up()`` said so.

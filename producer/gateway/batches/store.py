@@ -179,7 +179,9 @@ class BatchStore:
                         pipe.srem(self._keys.batches_active, bid)
                     await pipe.execute()
                     return
-                except redis.WatchError:
+                except redis.WatchError as exc:
+                    if isinstance(exc.__context__, redis.ConnectionError):
+                        raise exc.__context__ from exc  # redis-py's word for a lost connection
                     continue  # it changed (a cancel?): look again
 
     async def _validate(
