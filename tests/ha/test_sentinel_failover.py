@@ -42,12 +42,14 @@ LATE_TOKENS = 12  # the requests submitted through the switch
 FLAGS = ("--max-num-seqs", "4")
 
 
-@pytest.fixture(params=["sentinel_failover", "primary_killed"])
+@pytest.fixture(params=["sentinel_failover", "primary_killed", "primary_and_a_sentinel_killed"])
 def setup(request: pytest.FixtureRequest) -> Iterator[LocalSentinel]:
     """How the primary goes: ``SENTINEL FAILOVER`` (the session's setup), or SIGKILLed (a setup
     of its own: the sentinels promote the replica after ``down_after_ms``; the killed node
     comes back empty and rejoins as the new primary's replica, and until then no ``WAIT`` is
-    confirmed: the fleet waits as in an outage)."""
+    confirmed: the fleet waits as in an outage), or SIGKILLed together with the sentinel every
+    client asks first (the first of ``TOKENFLEET_SENTINELS``: the other two still make the
+    quorum, and each reconnect must go past the dead one)."""
     if request.param == "sentinel_failover":
         yield request.getfixturevalue("sentinel_setup")
         return
@@ -140,6 +142,8 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(
         assert in_flight, "the run ended before the failover: no load to ride out"
         submitter = threading.Thread(target=submit_through, args=(client,))
         submitter.start()
+        if how == "primary_and_a_sentinel_killed":
+            setup.kill(setup.sentinel_ports[0])
         new = sentinel_setup.failover() if how == "sentinel_failover" else setup.crash_primary()
         switched.set()
         submitter.join(DEADLINE_S)

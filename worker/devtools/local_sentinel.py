@@ -131,11 +131,11 @@ class LocalSentinel:
         writes, and the old primary (if alive) has been turned into its replica (until then
         the old one still takes writes that the switch will discard); returns the new port."""
         old = self.primary_port()
-        with self._sentinel(self.sentinel_ports[0], 5) as s:
+        with self._sentinel(self._live_sentinels()[0], 5) as s:
             s.execute_command("SENTINEL", "FAILOVER", self.service)
 
         def switched() -> bool:
-            ports = {self._master_port(p) for p in self.sentinel_ports}
+            ports = {self._master_port(p) for p in self._live_sentinels()}
             new = ports.pop() if len(ports) == 1 else None
             if new is None or new == old or self._role(new) != "master":
                 return False
@@ -145,7 +145,7 @@ class LocalSentinel:
         return self.primary_port()
 
     def crash_primary(self, timeout_s: float = 60.0) -> int:
-        """SIGKILL the primary, wait until every sentinel names the promoted replica and it
+        """SIGKILL the primary, wait until every live sentinel names the promoted replica and it
         accepts writes, then start the killed node again (empty: no persistence) and wait until
         the sentinels have made it the new primary's replica, its link up; returns the new
         primary's port. Until then the new primary has no replica (what ``WAIT`` waits for)."""
@@ -153,7 +153,7 @@ class LocalSentinel:
         self.kill(old)
 
         def promoted() -> bool:
-            ports = {self._master_port(p) for p in self.sentinel_ports}
+            ports = {self._master_port(p) for p in self._live_sentinels()}
             new = ports.pop() if len(ports) == 1 else None
             return new is not None and new != old and self._role(new) == "master"
 
@@ -286,6 +286,10 @@ class LocalSentinel:
                 pass
             time.sleep(0.05)
         raise RuntimeError(f"timed out waiting for {what} after {timeout_s}s:\n{self.logs()}")
+
+    def _live_sentinels(self) -> list[int]:
+        """The sentinels not killed (``kill``): a vote needs only the quorum of them."""
+        return [p for p in self.sentinel_ports if p not in self._killed()]
 
     def _killed(self) -> set[int]:
         return {p for p, proc in self.procs.items() if proc.returncode == -signal.SIGKILL}
