@@ -19,6 +19,7 @@ Each test has its own key prefix, so its own slot (``{hafo}``, ``{hacrash}``, ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
@@ -45,51 +46,51 @@ FLAGS = ("--max-num-seqs", "4")
 WAIT_ENV = {"TOKENFLEET_REDIS_WAIT_REPLICAS": "1", "TOKENFLEET_REDIS_WAIT_MS": "200"}
 
 
-def start_workers(
+@contextlib.contextmanager
+def running_workers(
     cluster: LocalCluster,
     model_dir: Path,
     prefix: str,
     log_dir: Path,
     env: dict[str, str] | None = None,
-) -> list[HAWorker]:
+) -> Iterator[list[HAWorker]]:
+    """Two workers of fleet ``prefix`` on ``cluster``, ready (heartbeats seen); killed after."""
     ws = [
         HAWorker(model_dir, cluster, prefix, f"{prefix}-{n}", log_dir, *FLAGS, env=env)
         for n in "ab"
     ]
-    with redis_client(cluster_settings(cluster, prefix)) as r:
+    try:
+        with redis_client(cluster_settings(cluster, prefix)) as r:
+            for w in ws:
+                wait_for(lambda: w.ready(r), f"{w.name}'s heartbeat")  # noqa: B023
+        yield ws
+    finally:
         for w in ws:
-            wait_for(lambda: w.ready(r), f"{w.name}'s heartbeat")  # noqa: B023
-    return ws
+            w.close()
 
 
 @pytest.fixture
 def failover_workers(
     redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path: Path
 ) -> Iterator[list[HAWorker]]:
-    ws = start_workers(redis_cluster, tiny_llama_dir, "hafo", tmp_path)
-    yield ws
-    for w in ws:
-        w.close()
+    with running_workers(redis_cluster, tiny_llama_dir, "hafo", tmp_path) as ws:
+        yield ws
 
 
 @pytest.fixture
 def crash_workers(
     redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path: Path
 ) -> Iterator[list[HAWorker]]:
-    ws = start_workers(redis_cluster, tiny_llama_dir, "hacrash", tmp_path, WAIT_ENV)
-    yield ws
-    for w in ws:
-        w.close()
+    with running_workers(redis_cluster, tiny_llama_dir, "hacrash", tmp_path, WAIT_ENV) as ws:
+        yield ws
 
 
 @pytest.fixture
 def migration_workers(
     redis_cluster: LocalCluster, tiny_llama_dir: Path, tmp_path: Path
 ) -> Iterator[list[HAWorker]]:
-    ws = start_workers(redis_cluster, tiny_llama_dir, "hamig", tmp_path)
-    yield ws
-    for w in ws:
-        w.close()
+    with running_workers(redis_cluster, tiny_llama_dir, "hamig", tmp_path) as ws:
+        yield ws
 
 
 def follow_async(

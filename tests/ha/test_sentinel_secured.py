@@ -52,7 +52,7 @@ def secured(tls: TlsFiles) -> Iterator[LocalSentinel]:
 
 def secured_url(tls: TlsFiles, password: str = DATA_PASSWORD) -> str:
     """What a user sets as ``REDIS_URL``: credentials and TLS; host and port are not used."""
-    return f"rediss://:{password}@ignored.invalid:6379/0?ssl_ca_certs={tls.ca_cert}"
+    return f"rediss://:{password}@127.0.0.1:1/0?ssl_ca_certs={tls.ca_cert}"  # (port 1: unused)
 
 
 def secured_settings(setup: LocalSentinel, tls: TlsFiles) -> Settings:
@@ -112,7 +112,7 @@ def test_wrong_credentials_or_no_tls_fail_at_the_first_command(
 ) -> None:
     urls = {
         "wrong-password": secured_url(tls, "not-the-password"),
-        "plain-tcp": f"redis://:{DATA_PASSWORD}@ignored.invalid:6379/0",
+        "plain-tcp": f"redis://:{DATA_PASSWORD}@127.0.0.1:1/0",
     }
     settings = secured_settings(secured, tls)
     if "redis_url" in change:
