@@ -10,9 +10,9 @@ Cluster (3 replicas; ``LocalCluster``), persistence off, then measures::
 2. end to end with one worker (the tiny model, CPU): ``--e2e-n`` requests of 32 tokens submitted
    at once, from the first submit to the last result, standalone then cluster, ``--rounds``
    times alternating (one worker process at a time);
-3. producer throughput as producers (processes) grow, each on its own fleet (key prefix) chosen
-   so that the fleets' slots fall on different primaries, against the same number of producers
-   all on one fleet (one slot, one primary).
+3. producer throughput as producers (processes) grow, all in one fleet: each submitting to a
+   model of its own whose lane (slot) falls on another primary, against the same number of
+   producers all submitting to one model (one lane, one primary).
 
 The figures are this machine's: on few cores the producers and all the Redis nodes share the
 CPUs, so (3) shows what spreading buys only as far as the cores allow.
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -88,9 +89,10 @@ def end_to_end(url: str, mode: str, model: Path, n: int, round_no: int) -> float
             "--log-level", "WARNING"]  # fmt: skip
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        with redis_client(settings) as r:
+        lane = replace(settings, lane="default")  # the worker's heartbeat is in its lane
+        with redis_client(lane) as r:
             deadline = time.monotonic() + 180
-            while not r.exists(Keys.for_settings(settings).worker(name)):
+            while not r.exists(Keys.for_settings(lane).worker(name)):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"worker did not start: {proc.stderr.read()!r}")  # type: ignore[union-attr]
                 time.sleep(0.05)
@@ -109,44 +111,50 @@ def end_to_end(url: str, mode: str, model: Path, n: int, round_no: int) -> float
         proc.wait(30)
 
 
-def _producer(url: str, prefix: str, n: int, start_at: float, out: Any) -> None:
+def _producer(url: str, prefix: str, model: str, n: int, start_at: float, out: Any) -> None:
     with Client.from_url(settings=settings_for(url, "cluster", prefix)) as client:
-        client.set_queue_config("normal", max_waiting=10_000_000)
-        client.submit_many([PROMPT] * 50)
+        client.set_queue_config("normal", model=model, max_waiting=10_000_000)
+        client.submit_many([{"prompt": PROMPT, "model": model}] * 50)
         while time.time() < start_at:
             time.sleep(0.001)
         t0 = time.time()
+        request = {"prompt": PROMPT, "max_tokens": 64, "model": model}
         for start in range(0, n, BATCH):
-            client.submit_many([{"prompt": PROMPT, "max_tokens": 64}] * min(BATCH, n - start))
+            client.submit_many([request] * min(BATCH, n - start))
         out.put((t0, time.time()))
 
 
-def prefixes_on_distinct_primaries(cluster: LocalCluster, count: int, tag: str) -> list[str]:
-    """``count`` key prefixes whose slots fall on the primaries in turn (round robin)."""
+def models_on_distinct_primaries(
+    cluster: LocalCluster, prefix: str, count: int, tag: str
+) -> list[str]:
+    """``count`` model names of fleet ``prefix`` whose lanes fall on the primaries in turn."""
     owners = cluster.primaries()
     chosen: list[str] = []
     i = 0
     while len(chosen) < count:
-        prefix = f"{tag}-{i}"
+        model = f"{tag}-{i}"
         i += 1
-        owner = cluster.owner_port(fleet_slot(Keys(prefix, cluster=True).root))
+        owner = cluster.owner_port(fleet_slot(Keys(prefix, cluster=True, lane=model).root))
         if owner == owners[len(chosen) % len(owners)]:
-            chosen.append(prefix)
+            chosen.append(model)
     return chosen
 
 
-def producers(url: str, prefixes: list[str], n_each: int) -> float:
-    """Aggregate req/s of one producer process per prefix, all starting together."""
+def producers(url: str, prefix: str, models: list[str], n_each: int) -> float:
+    """Aggregate req/s of one producer process per model (all in fleet ``prefix``), all
+    starting together."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     start_at = time.time() + 3.0  # every process imported and warmed up by then
-    procs = [ctx.Process(target=_producer, args=(url, p, n_each, start_at, out)) for p in prefixes]
+    procs = [
+        ctx.Process(target=_producer, args=(url, prefix, m, n_each, start_at, out)) for m in models
+    ]
     for p in procs:
         p.start()
     spans = [out.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
-    return n_each * len(prefixes) / (max(e for _, e in spans) - min(s for s, _ in spans))
+    return n_each * len(models) / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
 def main() -> None:
@@ -185,19 +193,19 @@ def main() -> None:
               f"   cluster/standalone {med['cluster'] / med['standalone']:.2f}")  # fmt: skip
         print(f"\n3. producers (processes) x {args.per_producer_n} requests each, on the cluster, "
               f"median of {args.repeats} (one fleet and spread alternating):")  # fmt: skip
-        print("   producers   one fleet (1 slot) req/s   one fleet each (spread) req/s   primaries")
+        print("   producers   one model (1 lane) req/s   a model each (spread) req/s   primaries")
         for count in (int(x) for x in args.producers.split(",")):
-            spread = prefixes_on_distinct_primaries(cluster, count, f"bench-spread{count}")
-            owners = {cluster.owner_port(fleet_slot(Keys(p, cluster=True).root)) for p in spread}
             ones, manys = [], []
+            owners: set[int] = set()
             for rep in range(args.repeats):
-                ones.append(
-                    producers(curl, [f"bench-one{count}-{rep}"] * count, args.per_producer_n)
-                )
-                spread = prefixes_on_distinct_primaries(cluster, count, f"bench-s{count}-{rep}")
-                manys.append(producers(curl, spread, args.per_producer_n))
+                fleet = f"bench-f{count}-{rep}"  # a fresh fleet per run: no queue carried over
+                ones.append(producers(curl, fleet, ["one"] * count, args.per_producer_n))
+                spread = models_on_distinct_primaries(cluster, fleet, count, "spread")
+                lanes = [Keys(fleet, cluster=True, lane=m).root for m in spread]
+                owners = {cluster.owner_port(fleet_slot(root)) for root in lanes}
+                manys.append(producers(curl, fleet, spread, args.per_producer_n))
             one, many = statistics.median(ones), statistics.median(manys)
-            print(f"   {count:9d}   {one:24,.0f}   {many:29,.0f}   {len(owners)}")
+            print(f"   {count:9d}   {one:24,.0f}   {many:27,.0f}   {len(owners)}")
     server.stop()
 
 

@@ -18,11 +18,13 @@ from tokenfleet.producer.async_io.subscriber import AsyncSubscriber
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
 )
 from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord
@@ -44,9 +46,7 @@ class AsyncClient(ClientCore[AsyncHandle]):
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
-        # the reader task waits on the connection itself: no read timeout on it
-        factory = pubsub_connection_factory(redis_client, socket_timeout=None)
-        subscriber = AsyncSubscriber(factory, commands=subscribe_commands(redis_client))
+        subscriber = self._subscriber_of(redis_client)
         super().__init__(
             subscriber,
             settings=settings,
@@ -54,20 +54,49 @@ class AsyncClient(ClientCore[AsyncHandle]):
             subscribe_timeout_s=subscribe_timeout_s,
         )
         self._redis = redis_client
-        self._run = AsyncDriver(redis_client, subscriber).run
+        self._slots = SlotClients(
+            redis_client,
+            subscriber,
+            first_root=self._keys.root,
+            cluster=self._keys.laned,  # a cluster: one more client per lane used (core.lanes)
+            make=lambda root: async_redis_client(self.settings, root=root),
+            subscriber_of=self._subscriber_of,
+        )
+        self._run = AsyncDriver(self._slots, redis_client).run
+
+    def redis_for_key(self, key: str) -> redis.asyncio.Redis:
+        """The redis client this producer uses for ``key`` (on a cluster, the client of its
+        slot: a lane's, built the first time; else the one client)."""
+        return self._slots.client(key)
+
+    @staticmethod
+    def _subscriber_of(redis_client: redis.asyncio.Redis) -> AsyncSubscriber:
+        # the reader task waits on the connection itself: no read timeout on it
+        factory = pubsub_connection_factory(redis_client, socket_timeout=None)
+        return AsyncSubscriber(factory, commands=subscribe_commands(redis_client))
 
     @staticmethod
     def _redis_for(settings: Settings) -> redis.asyncio.Redis:
         return async_redis_client(settings)
 
     def _new_handle(
-        self, request_id: str, subscription: Mailbox | None, deadline: float | None
+        self,
+        request_id: str,
+        subscription: Mailbox | None,
+        deadline: float | None,
+        keys: Keys | None = None,
     ) -> AsyncHandle:
-        return AsyncHandle(self, request_id, subscription=subscription, deadline=deadline)
+        return AsyncHandle(
+            self, request_id, subscription=subscription, deadline=deadline, keys=keys
+        )
 
     async def aclose(self) -> None:
-        """Stop the subscriber (and close the pool if ``from_url`` created it)."""
-        await self._subscriber.aclose()
+        """Stop the subscribers (and close the pools this client created: ``from_url``'s, and
+        on a cluster those of the lanes it used)."""
+        for subscriber in self._slots.subscribers():
+            await subscriber.aclose()
+        for client in self._slots.owned():
+            await client.aclose()
         if self._owns_redis:
             await self._redis.aclose()
 

@@ -15,6 +15,7 @@ import redis
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
@@ -23,10 +24,11 @@ from tokenfleet.producer.handle import Handle
 from tokenfleet.producer.sync_io.driver import SyncDriver
 from tokenfleet.producer.sync_io.subscriber import Subscriber
 from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueConfig, QueueStats
 from tokenfleet.shared.record import RequestRecord
-from tokenfleet.shared.redis_connect import redis_client
+from tokenfleet.shared.redis_connect import redis_client as redis_client_for
 from tokenfleet.shared.schema import Event
 from tokenfleet.shared.settings import Settings
 
@@ -53,9 +55,7 @@ class Client(ClientCore[Handle]):
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
-        subscriber = Subscriber(
-            pubsub_connection_factory(redis_client), commands=subscribe_commands(redis_client)
-        )
+        subscriber = self._subscriber_of(redis_client)
         super().__init__(
             subscriber,
             settings=settings,
@@ -63,20 +63,47 @@ class Client(ClientCore[Handle]):
             subscribe_timeout_s=subscribe_timeout_s,
         )
         self._redis = redis_client
-        self._run = SyncDriver(redis_client, subscriber).run
+        self._slots = SlotClients(
+            redis_client,
+            subscriber,
+            first_root=self._keys.root,
+            cluster=self._keys.laned,  # a cluster: one more client per lane used (core.lanes)
+            make=lambda root: redis_client_for(self.settings, root=root),
+            subscriber_of=self._subscriber_of,
+        )
+        self._run = SyncDriver(self._slots, redis_client).run
+
+    def redis_for_key(self, key: str) -> redis.Redis:
+        """The redis client this producer uses for ``key`` (on a cluster, the client of its
+        slot: a lane's, built the first time; else the one client)."""
+        return self._slots.client(key)
+
+    @staticmethod
+    def _subscriber_of(redis_client: redis.Redis) -> Subscriber:
+        return Subscriber(
+            pubsub_connection_factory(redis_client), commands=subscribe_commands(redis_client)
+        )
 
     @staticmethod
     def _redis_for(settings: Settings) -> redis.Redis:
-        return redis_client(settings)
+        return redis_client_for(settings)
 
     def _new_handle(
-        self, request_id: str, subscription: Mailbox | None, deadline: float | None
+        self,
+        request_id: str,
+        subscription: Mailbox | None,
+        deadline: float | None,
+        keys: Keys | None = None,
     ) -> Handle:
-        return Handle(self, request_id, subscription=subscription, deadline=deadline)
+        return Handle(self, request_id, subscription=subscription, deadline=deadline, keys=keys)
 
     def close(self) -> None:
-        """Stop the subscriber (and close the pool if ``from_url`` created it)."""
-        self._subscriber.close()
+        """Stop the subscribers (and close the pools this client created: ``from_url``'s, and
+        on a cluster those of the lanes it used)."""
+        for subscriber in self._slots.subscribers():
+            subscriber.close()
+        for client in self._slots.owned():
+            client.close()
         if self._owns_redis:
             self._redis.close()
 

@@ -2,8 +2,8 @@
 
 All names start with the fleet's key prefix so several fleets can share one Redis. Lua scripts
 never build names themselves: they receive them through ``KEYS[]``. In Redis Cluster mode ``P``
-below is written ``{P}`` (a hash tag: the whole fleet in one slot; docs/protocol.md, "Redis
-Cluster: one hash slot per fleet").
+below is a hash tag: ``{P|M}`` for a model's lane (queues, requests, workers, routing),
+``{P}`` for the rest: the registry, pools, API keys, files, batches (see :class:`Keys`).
 
 Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = request id)::
 
@@ -31,6 +31,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:session:H        string: the worker a session is pinned to (H = hash of "MODEL|KEY"; TTL)
     P:served           sorted set: model -> expiry (seconds) of its longest-lived live server
     P:models           set of the model names the fleet's configuration declares
+    P:lanes            set of the models whose lane was ever written (cluster: the registry)
     P:pool:NAME        hash: a shared KV pool's settings and counters
     P:pool:NAME:members  hash: member -> JSON state (weight, held, active, lease expiry, ...)
     P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
@@ -103,11 +104,24 @@ class _Root:
     __slots__ = ()
     prefix: str
     cluster: bool
+    lane: str
 
     @property
     def root(self) -> str:
-        """The first segment of every name: ``prefix``, or ``{prefix}`` on a cluster."""
+        """A lane room's first segment: ``prefix``, or on a cluster ``{prefix|lane}``."""
+        return f"{{{self.prefix}|{self.lane}}}" if self.cluster and self.lane else self.fleet_root
+
+    @property
+    def fleet_root(self) -> str:
+        """A fleet room's first segment: ``prefix``, or on a cluster ``{prefix}``."""
         return f"{{{self.prefix}}}" if self.cluster else self.prefix
+
+    def pool_root(self, name: str) -> str:
+        """The first segment of pool ``name``'s names: the fleet's. Every pool script also keeps
+        the pool list (``Keys.pools``), and a pool's traffic is light: it stays in the fleet's
+        slot (docs/protocol.md)."""
+        del name  # (one place to change should a pool get a slot of its own)
+        return self.fleet_root
 
     @property
     def publish_command(self) -> str:
@@ -126,17 +140,17 @@ class _GatewayKeys(_Root):
     # -- gateway API keys ---------------------------------------------------------------------
     def api_key(self, key_id: str) -> str:
         """Hash: one API key's record (digest, never the key) and its quota buckets."""
-        return f"{self.root}:apikey:{key_id}"
+        return f"{self.fleet_root}:apikey:{key_id}"
 
     @property
     def api_keys(self) -> str:
         """Set of the ids of every API key ever created (revoked ones stay listed)."""
-        return f"{self.root}:apikeys"
+        return f"{self.fleet_root}:apikeys"
 
     @property
     def api_key_names(self) -> str:
         """Hash: name -> id of each live API key (names are unique among live keys)."""
-        return f"{self.root}:apikeys:names"
+        return f"{self.fleet_root}:apikeys:names"
 
 
 class _BatchKeys(_Root):
@@ -146,38 +160,38 @@ class _BatchKeys(_Root):
 
     def file(self, file_id: str) -> str:
         """Hash: one Batch API file's object."""
-        return f"{self.root}:file:{file_id}"
+        return f"{self.fleet_root}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
         """List: the file's JSONL lines (no newlines)."""
-        return f"{self.root}:file:{file_id}:lines"
+        return f"{self.fleet_root}:file:{file_id}:lines"
 
     def batch(self, batch_id: str) -> str:
         """Hash: one batch's object, counts and cursor."""
-        return f"{self.root}:batch:{batch_id}"
+        return f"{self.fleet_root}:batch:{batch_id}"
 
     def batch_done(self, batch_id: str) -> str:
         """Hash: line index -> "ok" | "err" (the exactly-once ledger)."""
-        return f"{self.root}:batch:{batch_id}:done"
+        return f"{self.fleet_root}:batch:{batch_id}:done"
 
     def batch_lease(self, batch_id: str) -> str:
         """String: the driving runner's token, with a PX expiry."""
-        return f"{self.root}:batch:{batch_id}:lease"
+        return f"{self.fleet_root}:batch:{batch_id}:lease"
 
     @property
     def batches(self) -> str:
         """Sorted set: batch id -> created_at."""
-        return f"{self.root}:batches"
+        return f"{self.fleet_root}:batches"
 
     @property
     def batches_active(self) -> str:
         """Set: ids of the batches runners drive (not final yet)."""
-        return f"{self.root}:batches:active"
+        return f"{self.fleet_root}:batches:active"
 
     @property
     def owners(self) -> str:
         """Hash: file or batch id -> the id of the API key that owns it (keys on)."""
-        return f"{self.root}:owners"
+        return f"{self.fleet_root}:owners"
 
 
 class _QueueKeys(_Root):
@@ -270,6 +284,14 @@ class _WorkerKeys(_Root):
         submit even while no live worker serves them."""
         return f"{self.root}:models"
 
+    @property
+    def lanes(self) -> str:
+        """Set (a fleet room): every model that has a lane, i.e. whose names were ever written
+        (producers add a model before its first enqueue or queue setting, workers each beat):
+        what lane-less readers (``tokenfleet status``, ``queues``, a lookup by id) go through
+        on a cluster."""
+        return f"{self.fleet_root}:lanes"
+
 
 class _RouteKeys(_Root):
     """Routing (README "Routing"): per-worker routed streams, who takes routed work, what each
@@ -311,20 +333,20 @@ class _PoolKeys(_Root):
 
     def pool(self, name: str) -> str:
         """Hash: a shared KV pool's settings."""
-        return f"{self.root}:pool:{name}"
+        return f"{self.pool_root(name)}:pool:{name}"
 
     def pool_members(self, name: str) -> str:
         """Hash: member -> encoded member state of a shared KV pool."""
-        return f"{self.root}:pool:{name}:members"
+        return f"{self.pool_root(name)}:pool:{name}:members"
 
     def pool_preemptions(self, name: str) -> str:
         """Hash: donor member -> encoded pending preemption request."""
-        return f"{self.root}:pool:{name}:preempt"
+        return f"{self.pool_root(name)}:pool:{name}:preempt"
 
     @property
     def pools(self) -> str:
         """Set of pool names."""
-        return f"{self.root}:pools"
+        return f"{self.fleet_root}:pools"
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,17 +354,45 @@ class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _Gatewa
     """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
     in groups, one base class per room of the layout above.
 
-    ``cluster`` (Redis Cluster mode, built by :meth:`for_settings`): every name starts with
-    ``{prefix}`` instead of ``prefix``. The braces are a hash tag, so every key and channel of
-    the fleet hashes to one slot and every script, MULTI and pipeline stays single-slot; the
-    channels are then sharded pub/sub ones (:attr:`publish_command`). Invariant: with
-    ``cluster`` False every name is byte-for-byte what it was before cluster mode existed.
+    ``cluster`` (Redis Cluster mode, built by :meth:`for_settings`): every name starts with a
+    hash tag, so that every script, MULTI and pipeline stays inside one slot while one fleet
+    spreads over the cluster's primaries (docs/protocol.md, "Redis Cluster: the slots of a
+    fleet"):
+
+    * a *lane* per model, ``{prefix|model}``: its queues, requests, channels, routing, and its
+      workers' heartbeats (everything a request's life touches: ``lane`` names the model);
+    * the *fleet*, ``{prefix}``: the registry (:attr:`lanes`, the fleet's copies of
+      :attr:`served` and :attr:`declared`), API keys, files, batches, pools (:meth:`pool_root`).
+
+    Channels are then sharded pub/sub ones (:attr:`publish_command`). Invariant: with
+    ``cluster`` False the lane changes nothing, and every name is byte-for-byte what it was
+    before cluster mode existed.
     """
 
     prefix: str = "tokenfleet"
     cluster: bool = False
+    lane: str = ""
 
     @classmethod
     def for_settings(cls, settings: Settings) -> Keys:
-        """The fleet's names for ``settings``: its key prefix, hash-tagged in cluster mode."""
-        return cls(settings.key_prefix, cluster=settings.redis_mode == "cluster")
+        """The fleet's names for ``settings``: its key prefix, hash-tagged in cluster mode, in
+        the lane ``settings.lane`` names (none: the fleet's own names)."""
+        return cls(
+            settings.key_prefix, cluster=settings.redis_mode == "cluster", lane=settings.lane
+        )
+
+    def for_model(self, model: str) -> Keys:
+        """The names in ``model``'s lane (the same names off a cluster)."""
+        if not self.cluster or model == self.lane:
+            return self
+        return Keys(self.prefix, cluster=True, lane=model)
+
+    @property
+    def fleet(self) -> Keys:
+        """The names with no lane (the fleet's slot on a cluster)."""
+        return self.for_model("")
+
+    @property
+    def laned(self) -> bool:
+        """Whether lanes have names of their own (cluster mode; readers use :attr:`lanes`)."""
+        return self.cluster

@@ -15,10 +15,12 @@
   ``connection_class`` and ``connection_kwargs`` (``worker.pipelined.dedicated_connection``,
   the producer's pub/sub connection) resolves the primary the same way
   (``shared.sentinel_connection``).
-- ``cluster``: the primary that owns the fleet's hash slot (every name starts with the hash tag
-  ``{prefix}``: ``shared.keys.Keys.for_settings``). ``redis_url`` names any node of the cluster
-  (the seed; the client then remembers every node the cluster reports), with credentials and
-  TLS; its db must be 0. Each new connection asks a node which primary owns the slot
+- ``cluster``: the primary that owns one hash slot: the lane's ``{prefix|model}`` when
+  ``settings.lane`` names one, else the fleet's ``{prefix}``, or the slot of the ``root`` given
+  (``shared.keys.Keys``). A process that touches several slots holds one client per slot (the
+  producer's ``core.slot_clients``, the worker's fleet client). ``redis_url`` names any node
+  of the cluster (the seed; the client then remembers every node the cluster reports), with
+  credentials and TLS; its db must be 0. Each new connection asks a node which primary owns the slot
   (``CLUSTER SLOTS``), and a redirection reply (``MOVED``, ``ASK``, ``TRYAGAIN``, ``CLUSTERDOWN``,
   ``READONLY``) closes it and is raised as a ``ConnectionError``, so the callers' outage handling
   reconnects to the slot's owner after a failover or a migration (``shared.cluster_connection``;
@@ -72,8 +74,11 @@ from tokenfleet.shared.sentinel_connection import (
 from tokenfleet.shared.settings import Settings
 
 
-def redis_client(settings: Settings) -> redis.Redis:
-    """A sync client with its own connection pool, in the settings' mode."""
+def redis_client(settings: Settings, *, root: str | None = None) -> redis.Redis:
+    """A sync client with its own connection pool, in the settings' mode. On a cluster it
+    reaches the primary of the slot of ``root`` (a hash tag such as ``Keys.pool_root``), by
+    default of ``Keys.for_settings(settings).root`` (the lane ``settings.lane``, or the
+    fleet's slot)."""
     if settings.redis_mode == "sentinel":
         sentinel = redis.sentinel.Sentinel(
             settings.sentinel_addresses(), sentinel_kwargs=_sentinel_kwargs(settings, redis)
@@ -81,7 +86,7 @@ def redis_client(settings: Settings) -> redis.Redis:
         kwargs = _primary_kwargs(settings, PrimaryConnection, PrimarySSLConnection)
         client = sentinel.master_for(settings.sentinel_service, redis_class=SentinelRedis, **kwargs)
     elif settings.redis_mode == "cluster":
-        kwargs = _slot_kwargs(settings, SlotOwner, SlotConnection, SlotSSLConnection, redis)
+        kwargs = _slot_kwargs(settings, root, SlotOwner, SlotConnection, SlotSSLConnection, redis)
         client = redis.Redis.from_pool(redis.ConnectionPool(**kwargs))
     else:
         kwargs = _url_kwargs(settings, redis.connection.parse_url, redis.Connection)
@@ -89,8 +94,9 @@ def redis_client(settings: Settings) -> redis.Redis:
     return replica_wait.attach(client, _wait(settings))
 
 
-def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
-    """An asyncio client with its own connection pool, in the settings' mode."""
+def async_redis_client(settings: Settings, *, root: str | None = None) -> redis.asyncio.Redis:
+    """An asyncio client with its own connection pool, in the settings' mode (``root``: as
+    for :func:`redis_client`)."""
     client: redis.asyncio.Redis
     if settings.redis_mode == "sentinel":
         sentinel = redis.asyncio.sentinel.Sentinel(
@@ -102,7 +108,12 @@ def async_redis_client(settings: Settings) -> redis.asyncio.Redis:
         )
     elif settings.redis_mode == "cluster":
         kwargs = _slot_kwargs(
-            settings, AsyncSlotOwner, AsyncSlotConnection, AsyncSlotSSLConnection, redis.asyncio
+            settings,
+            root,
+            AsyncSlotOwner,
+            AsyncSlotConnection,
+            AsyncSlotSSLConnection,
+            redis.asyncio,
         )
         pool = redis.asyncio.BlockingConnectionPool(
             timeout=settings.redis_socket_timeout_s, **kwargs
@@ -133,7 +144,7 @@ def _wait(settings: Settings) -> replica_wait.ReplicaWait | None:
 
 
 def _slot_kwargs(
-    settings: Settings, owner_class: type, plain: type, tls: type, module: Any
+    settings: Settings, root: str | None, owner_class: type, plain: type, tls: type, module: Any
 ) -> dict[str, Any]:
     """Pool options for cluster mode: connections of class ``plain`` (``tls`` for
     ``rediss://``) sharing one slot owner, which asks the URL's node first (``module``: ``redis``
@@ -150,7 +161,7 @@ def _slot_kwargs(
         "socket_connect_timeout": settings.redis_connect_timeout_s,
     }
     query_class = module.SSLConnection if is_tls else module.Connection
-    slot = fleet_slot(Keys.for_settings(settings).root)
+    slot = fleet_slot(root if root is not None else Keys.for_settings(settings).root)
     owner = owner_class([seed], slot, query_class, query)
     connection_class = replica_wait.refusing(tls if is_tls else plain)
     return {

@@ -21,6 +21,8 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _URL_SCHEMES = ("redis", "rediss", "unix")
 # prefix: by cached prefix and session; session: by session only (no tokenizing); off: none
 ROUTING_MODES = ("prefix", "session", "off")
+_LANE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")  # a model name (shared.keys)
+_NOT_FROM_ENV = frozenset({"lane"})  # set by code (a worker: its model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +52,8 @@ class Settings:
         redis_mode: how clients reach Redis (``shared.redis_connect`` builds them all):
             ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
             ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
-            ``cluster`` (the primary owning the fleet's one hash slot; ``redis_url`` names any
-            node, db 0: README, "Redis modes").
+            ``cluster`` (the primaries owning the fleet's hash slots: one per model's lane,
+            one for the fleet; ``redis_url`` names any node, db 0: README, "Redis modes").
         sentinels: ``host:port,host:port,...`` of the Sentinel processes (sentinel mode).
         sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
         sentinel_username: ACL user for the sentinels themselves, if they require auth.
@@ -70,6 +72,9 @@ class Settings:
             ``off``: every request goes to its queue's shared stream. A worker with ``off``
             publishes nothing and is never a routing target (it still steals).
         session_ttl_s: how long a session stays pinned to its worker after its last request.
+        lane: the model whose lane (hash slot) this process's clients serve in cluster mode
+            (``shared.keys.Keys``; a worker sets its model); empty: the fleet's own slot. Set
+            by code, not by the environment; ignored off a cluster.
     """
 
     redis_url: str = DEFAULT_REDIS_URL
@@ -92,6 +97,7 @@ class Settings:
     redis_wait_ms: int = 500
     routing: str = "prefix"
     session_ttl_s: int = 600
+    lane: str = ""
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
@@ -100,6 +106,8 @@ class Settings:
             )
         validate_redis_url(self.redis_url)
         validate_mode(self)
+        if self.lane and not _LANE_RE.match(self.lane):
+            raise SettingsError(f"lane {self.lane!r} is not a model name")
         if not _PREFIX_RE.match(self.key_prefix):
             raise SettingsError(
                 f"key prefix {self.key_prefix!r} must be 1-64 characters of letters, digits, "
@@ -136,7 +144,7 @@ class Settings:
             SettingsError: an unknown ``TOKENFLEET_`` variable, or a value that does not parse.
         """
         env = os.environ if env is None else env
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - _NOT_FROM_ENV
         values: dict[str, Any] = {}
         if env.get("REDIS_URL"):
             values["redis_url"] = env["REDIS_URL"]

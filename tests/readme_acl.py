@@ -9,8 +9,13 @@ from pathlib import Path
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def readme_acl_commands(prefix: str, passwords: dict[str, str]) -> list[list[str]]:
-    """The README's ``ACL SETUSER`` commands for ``prefix``, with the given passwords."""
+def readme_acl_commands(
+    prefix: str, passwords: dict[str, str], *, cluster: bool = False
+) -> list[list[str]]:
+    """The README's ``ACL SETUSER`` commands for ``prefix``, with the given passwords; with
+    ``cluster``, each pattern rewritten by the README's cluster rule (a key pattern for the
+    fleet's slot ``{prefix}`` and one for every lane ``{prefix|*}``, a channel pattern for every
+    lane; ``{prefix}:lanes`` added for the producer and the gateway)."""
     block = README.read_text().split("<!-- acl-roles:", 1)[1]
     block = block.split("```sh\n", 1)[1].split("```", 1)[0]
     out = []
@@ -20,6 +25,22 @@ def readme_acl_commands(prefix: str, passwords: dict[str, str]) -> list[list[str
         argv = shlex.split(line)
         assert argv[:3] == ["redis-cli", "ACL", "SETUSER"], line
         user = argv[3]
-        argv = [a.replace("tokenfleet:", f"{prefix}:") for a in argv[1:]]
+        if cluster:
+            argv = [argv[1], *[b for a in argv[2:] for b in _cluster_patterns(prefix, a)]]
+            if user in ("tf-producer", "tf-gateway"):
+                argv.append(f"~{{{prefix}}}:lanes")
+        else:
+            argv = [a.replace("tokenfleet:", f"{prefix}:") for a in argv[1:]]
         out.append([f">{passwords[user]}" if a.startswith(">") else a for a in argv])
     return out
+
+
+def _cluster_patterns(prefix: str, arg: str) -> list[str]:
+    """The README's cluster rule for one ``ACL SETUSER`` argument (others are kept)."""
+    for head in ("%R~", "~"):
+        if arg.startswith(head + "tokenfleet:"):
+            tail = arg[len(head + "tokenfleet:") :]
+            return [f"{head}{{{prefix}}}:{tail}", f"{head}{{{prefix}|*}}:{tail}"]
+    if arg.startswith("&tokenfleet:"):
+        return [f"&{{{prefix}|*}}:{arg[len('&tokenfleet:') :]}"]
+    return [arg]

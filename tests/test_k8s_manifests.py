@@ -121,8 +121,8 @@ def test_keda_triggers_read_the_lag_of_the_streams_the_workers_serve(
 ) -> None:
     trigger_type, cluster = KEDA_FILES[keda_file]
     so, _dep, env = _scaled(name, keda_file)
-    keys = Keys(env["TOKENFLEET_KEY_PREFIX"], cluster=cluster)
     model = env.get("TOKENFLEET_MODEL_NAME", "default")
+    keys = Keys(env["TOKENFLEET_KEY_PREFIX"], cluster=cluster, lane=model)  # (a cluster: its lane)
     served = {keys.stream(model, p) for p in parse_priorities(env.get("TOKENFLEET_PRIORITIES"))}
     auths = {
         o["metadata"]["name"] for o in _load(keda_file) if o["kind"] == "TriggerAuthentication"
@@ -176,7 +176,8 @@ def test_the_cluster_keda_file_scales_as_keda_yaml_on_the_cluster() -> None:
                 host, _, port = address.rpartition(":")
                 assert host and port.isdigit(), address
             prefix, tail = bm["stream"].split(":", 1)
-            assert cm["stream"] == f"{{{prefix}}}:{tail}"
+            model = tail.split(":")[1]  # q:MODEL:LEVEL, in the model's lane on a cluster
+            assert cm["stream"] == f"{{{prefix}|{model}}}:{tail}"
             assert {k: v for k, v in cm.items() if k not in CONNECTION_FIELDS} == {
                 k: v for k, v in bm.items() if k not in CONNECTION_FIELDS
             }

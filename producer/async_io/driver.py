@@ -30,6 +30,7 @@ from tokenfleet.producer.core.effects import (
     Subscribe,
     Transaction,
 )
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.shared import replica_wait
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.scripts import registry
@@ -38,17 +39,19 @@ T = TypeVar("T")
 
 
 class AsyncDriver:
-    """Performs effects on one ``redis.asyncio.Redis`` and one ``AsyncSubscriber``.
+    """Performs effects on the ``redis.asyncio.Redis`` and ``AsyncSubscriber`` of each key's
+    slot (``core.slot_clients``: one of each off a cluster; a plan keeps each effect in one slot).
 
     Invariant: ``_perform`` has one entry per effect type of ``core.effects``.
     """
 
-    __slots__ = ("_perform", "_redis", "_subscriber", "_wait")
+    __slots__ = ("_perform", "_slots", "_wait")
 
-    def __init__(self, redis_client: redis.asyncio.Redis, subscriber: AsyncSubscriber) -> None:
-        self._redis = redis_client
-        self._wait = replica_wait.wait_of(redis_client)  # confirmed writes (effects' ``confirm``)
-        self._subscriber = subscriber
+    def __init__(
+        self, slots: SlotClients[redis.asyncio.Redis, AsyncSubscriber], first: redis.asyncio.Redis
+    ) -> None:
+        self._slots = slots  # the client and subscriber of each key's slot
+        self._wait = replica_wait.wait_of(first)  # confirmed writes (effects' ``confirm``)
         self._perform: dict[type, Callable[[Any], Awaitable[Any]]] = {
             RunScript: self._run_script,
             Command: self._command,
@@ -80,27 +83,30 @@ class AsyncDriver:
 
     async def _run_script(self, effect: RunScript) -> list[Any]:
         wait = self._wait if effect.confirm else None
+        client = self._slots.client(effect.keys[0])
         if wait is None:
-            return await registry.acall(self._redis, effect.script, effect.keys, effect.args)
-        pipe = self._redis.pipeline(transaction=False)  # the script and its WAIT: one connection
-        await registry.aqueue(self._redis, pipe, effect.script, effect.keys, effect.args)
+            return await registry.acall(client, effect.script, effect.keys, effect.args)
+        pipe = client.pipeline(transaction=False)  # the script and its WAIT: one connection
+        await registry.aqueue(client, pipe, effect.script, effect.keys, effect.args)
         pipe.wait(wait.num_replicas, wait.timeout_ms)
         reply, confirmed = await pipe.execute(raise_on_error=False)
         return replica_wait.checked(wait, effect.script, reply, confirmed)
 
     async def _command(self, effect: Command) -> Any:
-        return await effect.command(self._redis, *effect.args)
+        return await effect.command(
+            self._slots.client(effect.args[:1] and effect.args[0]), *effect.args
+        )
 
     async def _receive(self, effect: Receive) -> object | None:
         return await cast(AsyncSubscription, effect.mailbox).get(effect.timeout)
 
     async def _subscribe(self, effect: Subscribe) -> AsyncSubscription:
-        return await self._subscriber.subscribe(
+        return await self._slots.subscriber(effect.channel).subscribe(
             effect.channel, effect.timeout, confirm=effect.confirm
         )
 
     async def _transaction(self, effect: Transaction) -> list[Any]:
-        pipe = self._redis.pipeline(transaction=True)
+        pipe = self._slots.client(effect.commands[0].args[0]).pipeline(transaction=True)
         for c in effect.commands:
             c.command(pipe, *c.args)  # queued: an asyncio pipeline buffers commands
         return await pipe.execute()
@@ -108,18 +114,20 @@ class AsyncDriver:
     async def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
         wait = self._wait if effect.confirm else None
-        replies = await self._exchange(effect.calls, effect.meanwhile, wait)
+        client = self._slots.client(effect.calls[0].keys[0])  # (the calls share one slot)
+        replies = await self._exchange(client, effect.calls, effect.meanwhile, wait)
         retry = script_wire.missing_scripts(replies)
         if retry:  # the server lost its scripts: load them, run those calls again
             for source in {effect.calls[i].script.source for i in retry}:
-                await self._redis.script_load(source)
-            again = await self._exchange([effect.calls[i] for i in retry], None)
+                await client.script_load(source)
+            again = await self._exchange(client, [effect.calls[i] for i in retry], None)
             for i, reply in zip(retry, again, strict=True):
                 replies[i] = reply
         return script_wire.raise_first_error(replies)
 
     async def _exchange(
         self,
+        client: Any,
         calls: Sequence[RunScript],
         meanwhile: Callable[[], None] | None,
         wait: replica_wait.ReplicaWait | None = None,
@@ -127,7 +135,7 @@ class AsyncDriver:
         """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
         then read one reply each (error replies returned in place), retried on a lost
         connection as redis-py retries a pipeline."""
-        pool = self._redis.connection_pool
+        pool = client.connection_pool
         conn = await pool.get_connection()
         pending = [meanwhile] if meanwhile is not None else []
 

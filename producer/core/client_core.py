@@ -9,13 +9,14 @@ how a plan runs (``_run``: blocking or awaited) and which handle class they hand
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 import redis
-from redis.commands.core import HashCommands, SetCommands, SortedSetCommands
+from redis.commands.core import BasicKeyCommands, HashCommands, SortedSetCommands
 
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
@@ -27,9 +28,14 @@ from tokenfleet.producer.core.effects import (
     RunScripts,
     Sleep,
     Subscribe,
-    Transaction,
 )
-from tokenfleet.producer.core.models import ModelInfo, model_infos
+from tokenfleet.producer.core.fleet_views import FleetViews
+from tokenfleet.producer.core.lanes import (
+    LaneDirectory,
+    conflict_elsewhere,
+    lane_failed,
+    lane_refusals,
+)
 from tokenfleet.producer.core.outage import OutageClock
 from tokenfleet.producer.core.request import Prepared, prepare, prepare_many
 from tokenfleet.producer.core.route_tokenizer import (
@@ -38,10 +44,9 @@ from tokenfleet.producer.core.route_tokenizer import (
     compute_chains,
 )
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
-from tokenfleet.shared.keys import CONSUMER_GROUP, DEFAULT_MODEL, Keys
+from tokenfleet.shared.keys import DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.queue_config import QueueConfig, QueueStats
-from tokenfleet.shared.record import RequestRecord, as_str
+from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.replica_wait import ReplicationLagged
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
@@ -52,7 +57,6 @@ from tokenfleet.shared.scripts.enqueue import (
     RouteTargets,
     enqueue_keys_args,
 )
-from tokenfleet.shared.scripts.queue_stats import QUEUE_STATS
 from tokenfleet.shared.settings import Settings
 
 CANCELLED_MESSAGE = "cancelled by the client before it started"
@@ -65,6 +69,10 @@ ROUTERS_RECENT_S = 60.0
 H = TypeVar("H")  # the handle class a face hands out
 
 
+def _nth_call(call: Callable[[int], RunScript], numbers: list[int], j: int) -> RunScript:
+    return call(numbers[j])
+
+
 class SubscriberState(Protocol):
     """What the core asks of a face's subscriber: whether it was closed."""
 
@@ -72,7 +80,7 @@ class SubscriberState(Protocol):
     def closed(self) -> bool: ...
 
 
-class ClientCore(ABC, Generic[H]):
+class ClientCore(FleetViews, ABC, Generic[H]):
     """State and plans shared by both faces (arguments: see ``Client``).
 
     Invariants: nothing here performs I/O; a refused submit (invalid input, closed client,
@@ -96,6 +104,7 @@ class ClientCore(ABC, Generic[H]):
         self._owns_redis = False
         self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
         self._route_tokenizers = RouteTokenizers(self._keys, ROUTERS_TTL_S)
+        self._lanes = LaneDirectory(self._keys)  # (a cluster: each model's lane, the registry)
 
     @classmethod
     def from_url(cls, url: str | None = None, **kwargs: Any) -> Self:
@@ -116,9 +125,13 @@ class ClientCore(ABC, Generic[H]):
 
     @abstractmethod
     def _new_handle(
-        self, request_id: str, subscription: Mailbox | None, deadline: float | None
+        self,
+        request_id: str,
+        subscription: Mailbox | None,
+        deadline: float | None,
+        keys: Keys | None = None,
     ) -> H:
-        """The face's handle on ``request_id``."""
+        """The face's handle on ``request_id`` (``keys``: its lane's names, when known)."""
 
     def handle(self, request_id: str) -> H:
         """A handle on an existing request (e.g. one submitted by another process)."""
@@ -131,6 +144,8 @@ class ClientCore(ABC, Generic[H]):
         prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
+        keys = self._keys.for_model(prepared.model)
+        yield from self._enter_lane(keys, prepared)
         if prepared.route_input is not None:
             tok = yield from self._route_tokenizers.get(prepared.model)
             if tok is not None:
@@ -152,18 +167,32 @@ class ClientCore(ABC, Generic[H]):
                 # SUBSCRIBE only now, unconfirmed: the request reaches Redis sooner, and the
                 # handle's first read waits for the confirmation and then reads the record and
                 # token list, so what was published before it is not lost (docs/protocol.md)
-                channel = self._keys.channel(prepared.request_id)
+                self._lanes.remember(prepared.request_id, prepared.model)
+                channel = keys.channel(prepared.request_id)
                 sub: Mailbox | None
                 try:
                     sub = yield Subscribe(channel, self.subscribe_timeout_s, confirm=False)
                 except redis.ConnectionError:  # closed meanwhile: the request exists anyway
                     sub = None  # the handle subscribes on its first read (and says why not)
                 deadline = prepared.deadline if code == "new" else None
-                return self._new_handle(prepared.request_id, sub, deadline)
+                return self._new_handle(prepared.request_id, sub, deadline, keys)
             if code != "full" or (until is not None and time.monotonic() + delay > until):
                 raise ops.refusal(code, value, prepared.request_id, prepared.model)
             yield Sleep(delay)
             delay = min(delay * growth, ceiling)
+
+    def _enter_lane(self, keys: Keys, prepared: Prepared) -> Plan[None]:
+        """On a cluster (``core.lanes``): register the model's lane, refuse a model the fleet
+        neither serves nor declares (unless the chosen id exists: the script answers for it),
+        and a chosen id another model's lane holds."""
+        refused = yield from self._lanes.enter([prepared.model])
+        rid = prepared.request_id
+        if refused and not (
+            prepared.chosen_id and (yield Command(BasicKeyCommands.exists, (keys.record(rid),)))
+        ):
+            raise refused[prepared.model]
+        if prepared.chosen_id and (yield from self._lanes.held_elsewhere(prepared.model, [rid])):
+            raise conflict_elsewhere(rid)
 
     def _route_targets(self, model: str) -> Plan[RouteTargets | None]:
         """The routing candidates for ``model`` (cached ``ROUTERS_TTL_S``); None: routing off."""
@@ -174,7 +203,8 @@ class ClientCore(ABC, Generic[H]):
         if cached is None or now - cached[0] >= ROUTERS_TTL_S:
             since = time.time() - ROUTERS_RECENT_S
             names = yield Command(
-                SortedSetCommands.zrangebyscore, (self._keys.routers(model), since, "+inf")
+                SortedSetCommands.zrangebyscore,
+                (self._keys.for_model(model).routers(model), since, "+inf"),
             )
             cached = (now, tuple(sorted(n.decode() if isinstance(n, bytes) else n for n in names)))
             self._routers[model] = cached
@@ -188,7 +218,7 @@ class ClientCore(ABC, Generic[H]):
         self, prepared: Prepared, try_only: bool, route: RouteTargets | None = None
     ) -> RunScript:
         k, a = enqueue_keys_args(
-            self._keys,
+            self._keys.for_model(prepared.model),
             prepared.model,
             prepared.priority,
             [prepared],
@@ -204,14 +234,20 @@ class ClientCore(ABC, Generic[H]):
     ) -> Plan[list[H | TokenfleetError]]:
         now = time.time()
         prepared = prepare_many(self.settings, requests, now=now)
-        batches = ops.plan_batches(prepared)
+        refused = yield from lane_refusals(self._lanes, prepared)
+        keep = [i for i in range(len(prepared)) if i not in refused]
+        batches = [
+            (queue, [keep[j] for j in indices])
+            for queue, indices in ops.plan_batches([prepared[i] for i in keep])
+        ]
         routes: dict[str, RouteTargets | None] = {}
         for (model, _), _ in batches:
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
         tokenizers: dict[str, RouteTokenizer | None] = {}
         work: list[tuple[Prepared, RouteTokenizer]] = []
-        for p in prepared:
+        for i in keep:
+            p = prepared[i]
             if p.route_input is not None:
                 if p.model not in tokenizers:
                     tokenizers[p.model] = yield from self._route_tokenizers.get(p.model)
@@ -225,7 +261,7 @@ class ClientCore(ABC, Generic[H]):
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
             k, a = enqueue_keys_args(
-                self._keys,
+                self._keys.for_model(model),
                 model,
                 priority,
                 [prepared[i] for i in indices],
@@ -239,37 +275,69 @@ class ClientCore(ABC, Generic[H]):
 
         def make_handles() -> None:  # while Redis runs the calls: a handle has no I/O
             if not results:  # (once: a round trip sent again calls it again)
-                new_handle = self._new_handle
-                results.extend([new_handle(p.request_id, None, p.deadline) for p in prepared])
-
-        lagged = OutageClock(self.settings.redis_retry_s)
-        while True:
-            try:
-                replies = yield RunScripts(
-                    LazyCalls(len(batches), call), meanwhile=make_handles, confirm=True
+                new_handle, lane = self._new_handle, self._keys.for_model
+                results.extend(
+                    [new_handle(p.request_id, None, p.deadline, lane(p.model)) for p in prepared]
                 )
-                break
-            except ReplicationLagged as exc:  # every request again (same ids: at most once)
-                pause = lagged.next_wait(exc, None)
-                if pause is None:
-                    raise
-                yield Sleep(pause)
+
+        # one round trip per slot (a cluster: per model's lane; else one for every batch)
+        slots: dict[str, list[int]] = {}
+        for b, ((model, _), _) in enumerate(batches):
+            slots.setdefault(self._keys.for_model(model).root, []).append(b)
+        replies: list[Any] = [None] * len(batches)
+        for n, numbers in enumerate(slots.values()):
+            lagged = OutageClock(self.settings.redis_retry_s)
+            while True:
+                calls = LazyCalls(len(numbers), functools.partial(_nth_call, call, numbers))
+                try:
+                    got = yield RunScripts(calls, meanwhile=make_handles, confirm=True)
+                    break
+                except ReplicationLagged as exc:  # every request again (same ids: at most once)
+                    pause = lagged.next_wait(exc, None)
+                    if pause is None and n == 0:
+                        raise
+                    if pause is None:
+                        got = [exc] * len(numbers)
+                        break
+                    yield Sleep(pause)
+                except redis.RedisError as exc:
+                    if n == 0:  # nothing enqueued yet: the call fails as a whole
+                        raise
+                    got = [exc] * len(numbers)  # other lanes' requests are in: say which failed
+                    break
+            for b, reply in zip(numbers, got, strict=True):
+                replies[b] = reply
+        make_handles()  # (when every request was refused before any round trip)
+        for i, error in refused.items():
+            results[i] = error
         for ((model, _), indices), reply in zip(batches, replies, strict=True):
+            if isinstance(reply, redis.RedisError):
+                for i in indices:
+                    results[i] = lane_failed(model, reply)
+                continue
             refusals = ops.enqueue_refusals(
                 registry.check_reply(ENQUEUE, reply),
                 [prepared[i].request_id for i in indices],
                 model,
             )
-            for i, refused in zip(indices, refusals, strict=True):
-                if refused is not None:
-                    results[i] = refused  # its handle, made meanwhile, is dropped
+            for i, refusal in zip(indices, refusals, strict=True):
+                if refusal is not None:
+                    results[i] = refusal  # its handle, made meanwhile, is dropped
+                else:
+                    self._lanes.remember(prepared[i].request_id, model)
         return results
 
     # -- following requests ---------------------------------------------------------------------
     def _status(self, request_id: str) -> Plan[RequestRecord]:
+        keys = yield from self._lanes.keys_of(request_id)
+        fresh = False
         while True:
-            raw = yield Command(HashCommands.hgetall, (self._keys.record(request_id),))
+            raw = yield Command(HashCommands.hgetall, (keys.record(request_id),))
             record = RequestRecord.from_hash(request_id, raw)
+            if record is None and keys.laned and not fresh:  # the id may be in another lane now
+                keys = yield from self._lanes.keys_of(request_id, fresh=True)
+                fresh = True
+                continue
             if record is None:
                 raise UnknownRequest(
                     f"no request {request_id} (never submitted, or its record expired)"
@@ -294,7 +362,7 @@ class ClientCore(ABC, Generic[H]):
     ) -> tuple[list[str], list[str]]:
         event = TerminalEvent(record.request_id, status, num_tokens=0, message=message)
         return withdraw_keys_args(
-            self._keys,
+            self._keys.for_model(record.model or DEFAULT_MODEL),
             event,
             model=record.model or DEFAULT_MODEL,
             priority=Priority.parse(record.priority or "normal"),
@@ -302,60 +370,3 @@ class ClientCore(ABC, Generic[H]):
             ttl_s=self.settings.record_ttl_s,
             routed_to=record.routed_to,
         )
-
-    # -- models and queues ----------------------------------------------------------------------
-    def _models(self) -> Plan[list[ModelInfo]]:
-        served, declared, names = yield Transaction(
-            (
-                # (name, start, end, desc, withscores): Command takes positional arguments
-                Command(SortedSetCommands.zrange, (self._keys.served, 0, -1, False, True)),
-                Command(SetCommands.smembers, (self._keys.declared,)),
-                Command(SortedSetCommands.zrange, (self._keys.workers, 0, -1)),
-            )
-        )
-        workers = [as_str(name) or "" for name in names]
-        models: list[Any] = []
-        if workers:  # each one's heartbeat says its model (None once it lapsed)
-            models = yield Transaction(
-                tuple(Command(HashCommands.hget, (self._keys.worker(w), "model")) for w in workers)
-            )
-        heartbeats = zip(workers, models, strict=True)
-        return model_infos(served, declared, now=time.time(), heartbeats=heartbeats)
-
-    def _queue_stats(self) -> Plan[list[QueueStats]]:
-        members = yield Command(SetCommands.smembers, (self._keys.queues,))
-        queues = ops.sorted_queues(members)
-        if not queues:
-            return []
-        models = sorted({model for model, _ in queues})
-        names = yield Transaction(
-            tuple(Command(SortedSetCommands.zrange, (self._keys.routers(m), 0, -1)) for m in models)
-        )
-        routers = {m: [as_str(w) or "" for w in ws] for m, ws in zip(models, names, strict=True)}
-        keys, args = ops.stats_keys_args(self._keys, queues, routers, CONSUMER_GROUP)
-        reply = yield RunScript(QUEUE_STATS, keys, args)
-        return ops.stats_rows(queues, reply)
-
-    def _queue_config(self, priority: str | Priority, model: str | None) -> Plan[QueueConfig]:
-        p = Priority.parse(priority)
-        key = self._keys.queue_config(model or DEFAULT_MODEL, p)
-        return QueueConfig.from_hash((yield Command(HashCommands.hgetall, (key,))))
-
-    def _set_queue_config(
-        self,
-        priority: str | Priority,
-        model: str | None,
-        max_waiting: int | None,
-        policy: str | None,
-    ) -> Plan[QueueConfig]:
-        p = Priority.parse(priority)
-        m = model or DEFAULT_MODEL
-        config = ops.merged_config((yield from self._queue_config(p, m)), max_waiting, policy)
-        key = self._keys.queue_config(m, p)
-        writes = [
-            Command(HashCommands.hset, (key, field, value))
-            for field, value in config.to_hash().items()
-        ]
-        writes.append(Command(SetCommands.sadd, (self._keys.queues, self._keys.queue_member(m, p))))
-        yield Transaction(tuple(writes))
-        return config

@@ -41,6 +41,7 @@ from tokenfleet.shared.errors import (
     RequestLost,
     UnknownRequest,
 )
+from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import (
     Event,
@@ -97,6 +98,7 @@ class HandleCore:
         *,
         subscription: Mailbox | None = None,
         deadline: float | None = None,
+        keys: Keys | None = None,
     ) -> None:
         self.request_id = request_id
         self._client = client
@@ -108,6 +110,7 @@ class HandleCore:
         self._terminal: TerminalEvent | None = None
         self._ready: deque[Event] = deque()
         self._deadline = deadline
+        self._keys = keys  # the names of the request's lane, once known (``_lane``)
         self._seen = subscription is not None  # the record existed (submitted, or synced)
         if subscription is not None:
             self._attach(subscription)
@@ -165,12 +168,19 @@ class HandleCore:
         self.close()
 
     def _backfill(self, from_index: int) -> Plan[None]:
-        key = self._client._keys.tokens(self.request_id)
+        key = (yield from self._lane()).tokens(self.request_id)
         raw = yield Command(ListCommands.lrange, (key, from_index, self._base - 1))
         if len(raw) != self._base - from_index:
             raise UnknownRequest(f"the token list of {self.request_id} has expired")
         self._tokens[:0] = decode_tokens(self.request_id, raw, from_index)
         self._base = from_index
+
+    def _lane(self) -> Plan[Keys]:
+        """The names of the request's lane (a cluster: its model's; else the fleet's), found
+        once (``core.lanes``: the client remembers the ids it submitted)."""
+        if self._keys is None:
+            self._keys = yield from self._client._lanes.keys_of(self.request_id)
+        return self._keys
 
     def _record(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
@@ -201,7 +211,7 @@ class HandleCore:
     def _pull_once(self, until: float | None) -> Plan[bool]:
         if self._sub is None:
             client = self._client
-            channel = client._keys.channel(self.request_id)
+            channel = (yield from self._lane()).channel(self.request_id)
             self._attach((yield Subscribe(channel, client.subscribe_timeout_s, confirm=True)))
             self._cursor.needs_sync = True
         sub = self._sub
@@ -245,7 +255,7 @@ class HandleCore:
         return True
 
     def _sync(self) -> Plan[list[Event]]:
-        client, keys, rid = self._client, self._client._keys, self.request_id
+        client, keys, rid = self._client, (yield from self._lane()), self.request_id
         while True:
             start = self._cursor.next_index
             read = (

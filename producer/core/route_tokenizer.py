@@ -214,7 +214,7 @@ class RouteTokenizers:
             age, tok = now - cached[0], cached[1]
             if age < (ROUTE_SPEC_TTL_S if tok is not None else self._absent_ttl_s):
                 return tok
-        key = self._keys.route_tokenizer(model)
+        key = self._keys.for_model(model).route_tokenizer(model)  # (in the model's lane)
         digest = as_str((yield Command(HashCommands.hget, (key, "digest"))))
         tok = cached[1] if cached is not None else None
         if digest is None:

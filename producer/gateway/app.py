@@ -51,8 +51,8 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         redis_client = async_redis_client(settings)
         keys = Keys.for_settings(settings)
         store = ApiKeyStore(redis_client, settings) if gateway_settings.auth_required else None
-        drain = DrainMeter(redis_client, keys)
         client = AsyncClient(redis_client, settings=settings)
+        drain = DrainMeter(redis_client, keys, client_for=client.redis_for_key)
         gateway = Gateway(client, redis_client, gateway_settings, key_store=store, drain=drain)
         runner = BatchRunner(  # every gateway drives batches; leases share them out
             client,

@@ -3,8 +3,9 @@
 Workers count every request they start in ``P:drained`` (``Keys.drained``: queue member ->
 starts so far; the ``START`` script increments it). A :class:`DrainMeter` samples that hash once
 a second and keeps the last ``window_s`` of samples, so the rate is the fleet's, seen the same
-way by every gateway process. A full queue frees a slot each time a worker starts one of its
-requests: the wait for ``n`` slots is ``n / rate``.
+way by every gateway process. On a cluster each model's counters are in the model's lane
+(``shared.keys.Keys``), read one lane after another. A full queue frees a slot each time a
+worker starts one of its requests: the wait for ``n`` slots is ``n / rate``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio
@@ -34,17 +36,33 @@ class DrainMeter:
     """
 
     def __init__(
-        self, redis_client: redis.asyncio.Redis, keys: Keys, *, window_s: float = 30.0
+        self,
+        redis_client: redis.asyncio.Redis,
+        keys: Keys,
+        *,
+        window_s: float = 30.0,
+        client_for: Callable[[str], redis.asyncio.Redis] | None = None,
     ) -> None:
         self._redis = redis_client
         self._keys = keys
+        # a cluster: each model's counters are in its lane (the client of a key's slot)
+        self._client_for = client_for or (lambda _key: redis_client)
         self.window_s = window_s
         self._samples: dict[str, deque[tuple[float, int]]] = {}
         self._started = time.monotonic()
 
     async def sample(self) -> None:
-        """Read every queue's counter once and record it."""
-        raw: dict[Any, Any] = await self._redis.hgetall(self._keys.drained)
+        """Read every queue's counter once (on a cluster, lane by lane) and record it."""
+        raw: dict[Any, Any] = {}
+        if not self._keys.laned:
+            raw = await self._redis.hgetall(self._keys.drained)
+        else:
+            for model in sorted(await self._redis.smembers(self._keys.fleet.lanes)):
+                key = self._keys.for_model(as_str(model) or "").drained
+                try:
+                    raw.update(await self._client_for(key).hgetall(key))
+                except redis.RedisError as exc:  # one lane's primary down: the others count
+                    raise_if_cancelling(exc)
         now = time.monotonic()
         for member, value in raw.items():
             try:

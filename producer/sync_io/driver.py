@@ -26,6 +26,7 @@ from tokenfleet.producer.core.effects import (
     Subscribe,
     Transaction,
 )
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.sync_io.subscriber import Subscriber, Subscription
 from tokenfleet.shared import replica_wait
 from tokenfleet.shared.scripts import registry
@@ -34,17 +35,17 @@ T = TypeVar("T")
 
 
 class SyncDriver:
-    """Performs effects on one ``redis.Redis`` and one ``Subscriber``.
+    """Performs effects on the ``redis.Redis`` and ``Subscriber`` of each key's slot
+    (``core.slot_clients``: one of each off a cluster; a plan keeps each effect in one slot).
 
     Invariant: ``_perform`` has one entry per effect type of ``core.effects``.
     """
 
-    __slots__ = ("_perform", "_redis", "_subscriber", "_wait")
+    __slots__ = ("_perform", "_slots", "_wait")
 
-    def __init__(self, redis_client: redis.Redis, subscriber: Subscriber) -> None:
-        self._redis = redis_client
-        self._wait = replica_wait.wait_of(redis_client)  # confirmed writes (effects' ``confirm``)
-        self._subscriber = subscriber
+    def __init__(self, slots: SlotClients[redis.Redis, Subscriber], first: redis.Redis) -> None:
+        self._slots = slots  # the client and subscriber of each key's slot
+        self._wait = replica_wait.wait_of(first)  # confirmed writes (effects' ``confirm``)
         self._perform: dict[type, Callable[[Any], Any]] = {
             RunScript: self._run_script,
             Command: self._command,
@@ -74,25 +75,28 @@ class SyncDriver:
 
     def _run_script(self, effect: RunScript) -> list[Any]:
         wait = self._wait if effect.confirm else None
+        client = self._slots.client(effect.keys[0])
         if wait is None:
-            return registry.call(self._redis, effect.script, effect.keys, effect.args)
-        pipe = self._redis.pipeline(transaction=False)  # the script and its WAIT: one connection
-        registry.queue(self._redis, pipe, effect.script, effect.keys, effect.args)
+            return registry.call(client, effect.script, effect.keys, effect.args)
+        pipe = client.pipeline(transaction=False)  # the script and its WAIT: one connection
+        registry.queue(client, pipe, effect.script, effect.keys, effect.args)
         pipe.wait(wait.num_replicas, wait.timeout_ms)
         reply, confirmed = pipe.execute(raise_on_error=False)
         return replica_wait.checked(wait, effect.script, reply, confirmed)
 
     def _command(self, effect: Command) -> Any:
-        return effect.command(self._redis, *effect.args)
+        return effect.command(self._slots.client(effect.args[:1] and effect.args[0]), *effect.args)
 
     def _receive(self, effect: Receive) -> object | None:
         return cast(Subscription, effect.mailbox).get(effect.timeout)
 
     def _subscribe(self, effect: Subscribe) -> Subscription:
-        return self._subscriber.subscribe(effect.channel, effect.timeout, confirm=effect.confirm)
+        return self._slots.subscriber(effect.channel).subscribe(
+            effect.channel, effect.timeout, confirm=effect.confirm
+        )
 
     def _transaction(self, effect: Transaction) -> list[Any]:
-        pipe = self._redis.pipeline(transaction=True)
+        pipe = self._slots.client(effect.commands[0].args[0]).pipeline(transaction=True)
         for c in effect.commands:
             c.command(pipe, *c.args)
         return pipe.execute()
@@ -100,19 +104,21 @@ class SyncDriver:
     def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""
         wait = self._wait if effect.confirm else None
-        replies = self._exchange(effect.calls, effect.meanwhile, wait)
+        client = self._slots.client(effect.calls[0].keys[0])  # (the calls share one slot)
+        replies = self._exchange(client, effect.calls, effect.meanwhile, wait)
         retry = script_wire.missing_scripts(replies)
         if retry:  # the server lost its scripts: load them, run those calls again
             for source in {effect.calls[i].script.source for i in retry}:
-                self._redis.script_load(source)
+                client.script_load(source)
             for i, reply in zip(
-                retry, self._exchange([effect.calls[i] for i in retry], None), strict=True
+                retry, self._exchange(client, [effect.calls[i] for i in retry], None), strict=True
             ):
                 replies[i] = reply
         return script_wire.raise_first_error(replies)
 
     def _exchange(
         self,
+        client: Any,
         calls: Sequence[RunScript],
         meanwhile: Callable[[], None] | None,
         wait: replica_wait.ReplicaWait | None = None,
@@ -120,7 +126,7 @@ class SyncDriver:
         """Send ``calls`` on one pooled connection, run ``meanwhile`` (once, even if retried),
         then read one reply each (error replies returned in place), retried on a lost
         connection as redis-py retries a pipeline."""
-        pool = self._redis.connection_pool
+        pool = client.connection_pool
         conn = pool.get_connection()
         pending = [meanwhile] if meanwhile is not None else []
 

@@ -57,13 +57,14 @@ def sentinel_flags(setup: LocalSentinel) -> list[str]:
 
 
 def seed_url(cluster: LocalCluster, prefix: str) -> str:
-    """A URL of a node that does not own ``prefix``'s slot (proves the client finds the owner)."""
-    owner = cluster.owner_port(fleet_slot(Keys(prefix, cluster=True).root))
+    """A URL of a node that does not own the slot of ``prefix``'s default lane (proves the
+    client finds the owner)."""
+    owner = cluster.owner_port(fleet_slot(Keys(prefix, cluster=True, lane="default").root))
     return next(f"redis://127.0.0.1:{p}/0" for p in cluster.ports if p != owner)
 
 
 def cluster_settings(cluster: LocalCluster, prefix: str) -> Settings:
-    """Cluster-mode settings for ``cluster`` under key prefix ``prefix`` (one slot)."""
+    """Cluster-mode settings for ``cluster`` under key prefix ``prefix``."""
     return Settings(
         redis_url=seed_url(cluster, prefix),
         key_prefix=prefix,
@@ -84,11 +85,14 @@ class HAWorker:
 
     def __init__(
         self, model_dir: Path, setup: LocalSentinel | LocalCluster, prefix: str, name: str,
-        log_dir: Path, *extra: str, env: dict[str, str] | None = None,
+        log_dir: Path, *extra: str, env: dict[str, str] | None = None, model: str = "default",
     ) -> None:  # fmt: skip
         self.name = name
         in_cluster = isinstance(setup, LocalCluster)
-        self.keys = Keys(prefix, cluster=in_cluster)
+        self.keys = Keys(prefix, cluster=in_cluster).for_model(model)  # its lane (a cluster)
+        self.model = model
+        if model != "default":
+            extra = ("--model-name", model, *extra)
         flags = cluster_flags(setup, prefix) if in_cluster else sentinel_flags(setup)  # type: ignore[arg-type]
         self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
@@ -102,6 +106,7 @@ class HAWorker:
         self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def ready(self, r: redis.Redis) -> bool:
+        """Whether its heartbeat is there (``r``: a client of the worker's lane's slot)."""
         if self.proc.poll() is not None:
             raise AssertionError(f"worker {self.name} exited early:\n{self.output()}")
         return bool(r.exists(self.keys.worker(self.name)))

@@ -34,7 +34,7 @@ CLUSTER_EXTRA = {  # README: what cluster mode adds to each role
 def cluster_acl_commands(passwords: dict[str, str]) -> list[list[str]]:
     """The README's commands with the hash-tagged patterns and the cluster additions."""
     out = []
-    for argv in readme_acl_commands("{" + PREFIX + "}", passwords):
+    for argv in readme_acl_commands(PREFIX, passwords, cluster=True):
         out.append([*argv, *CLUSTER_EXTRA[argv[2]]])
     return out
 

@@ -60,7 +60,8 @@ def running_workers(
         for n in "ab"
     ]
     try:
-        with redis_client(cluster_settings(cluster, prefix)) as r:
+        lane = dataclasses.replace(cluster_settings(cluster, prefix), lane="default")
+        with redis_client(lane) as r:  # (the workers' lane: their heartbeats are there)
             for w in ws:
                 wait_for(lambda: w.ready(r), f"{w.name}'s heartbeat")  # noqa: B023
         yield ws
@@ -123,7 +124,8 @@ def run_through(
     settings = dataclasses.replace(
         cluster_settings(cluster, prefix), redis_wait_replicas=wait_replicas, redis_wait_ms=200
     )
-    keys = Keys.for_settings(settings)
+    lane = dataclasses.replace(settings, lane="default")  # the requests' lane: the event's slot
+    keys = Keys.for_settings(lane)
     slot = fleet_slot(keys.root)
     streams: dict[str, list[Any]] = {}
     errors: list[BaseException] = []
@@ -134,7 +136,7 @@ def run_through(
         except BaseException as exc:  # reported below with the request id
             errors.append(exc)
 
-    with Client.from_url(settings=settings) as client, redis_client(settings) as r:
+    with Client.from_url(settings=settings) as client, redis_client(lane) as r:
         handles = [
             client.submit(f"Cluster load {i}", max_tokens=MAX_TOKENS, ignore_eos=True)
             for i in range(NUM_REQUESTS)

@@ -1,14 +1,17 @@
 """The full path in cluster mode on a real 3-primary Redis Cluster: producer and two real workers
-reach the primary owning the fleet's one slot (every name starts with ``{hacl}``) from a seed
-URL naming another node. Submit -> worker -> stream (sharded pub/sub), cancel, both overflow
-policies, the KV pool, KEDA's lag figure, the gateway (`tokenfleet serve` with the cluster flags,
-driven by the openai SDK: the asyncio client), and crash recovery (SIGKILL of the worker holding
-a request; the other resumes it gap-free). The tests run in file order on one module fleet; the
-crash test, which kills a worker, comes last."""
+reach the primaries owning the fleet's slots (the ``default`` model's lane ``{hacl|default}``,
+the fleet's own ``{hacl}``) from a seed URL naming another node; a second model's lane on
+another primary serves beside it (one fleet over several primaries). Submit -> worker ->
+stream (sharded pub/sub), cancel, both overflow policies, the KV pool, KEDA's lag figure, the
+gateway (`tokenfleet serve` with the cluster flags, driven by the openai SDK: the asyncio
+client), and crash recovery (SIGKILL of the worker holding a request; the other resumes it
+gap-free). The tests run in file order on one module fleet; the crash test, which kills a
+worker, comes last."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
@@ -46,9 +49,12 @@ class Fleet:
         self.setup = setup
         self.workers = workers
         self.settings: Settings = cluster_settings(setup, PREFIX)
-        self.r = redis_client(self.settings)  # to the slot's primary, like every process
-        self.keys = Keys.for_settings(self.settings)
+        lane = replace(self.settings, lane="default")
+        self.r = redis_client(lane)  # to the default lane's primary, like its workers
+        self.fleet_r = redis_client(self.settings)  # to the fleet slot's (registry, pool)
+        self.keys = Keys.for_settings(lane)
         self.slot = fleet_slot(self.keys.root)
+        self.fleet_slot = fleet_slot(self.keys.fleet_root)
 
     def record(self, rid: str) -> RequestRecord | None:
         return RequestRecord.from_hash(rid, self.r.hgetall(self.keys.record(rid)))
@@ -79,6 +85,7 @@ def fleet(
         for w in workers:
             w.close()
         fleet.r.close()
+        fleet.fleet_r.close()
 
 
 def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
@@ -91,21 +98,30 @@ def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
         assert terminal(events) == "done" and len(events) == 13
         rec = client.status(handle.request_id)
         assert rec.status == "done" and rec.num_tokens == 12
-    # every name of the fleet is in its one slot, on the primary that owns it
+    # the request's names are in its model's lane, the registry in the fleet's slot; each on
+    # the primary owning that slot, and nothing of the fleet in any other slot
     record = fleet.keys.record(handle.request_id)
-    assert record.startswith("{hacl}:") and fleet_slot(record) == fleet.slot
+    assert record.startswith("{hacl|default}:") and fleet_slot(record) == fleet.slot
+    slots = {fleet.slot, fleet.fleet_slot}
+    counts = {}
+    for port in fleet.setup.primaries():
+        with redis.Redis(port=port) as direct:
+            assert direct.info("replication")["role"] == "master"
+            ours = [  # (not "{hacl*": other tests' prefixes start so too)
+                k.decode()
+                for pattern in ("{hacl}*", "{hacl|*")
+                for k in direct.scan_iter(match=pattern, count=1000)
+            ]
+            mine = {s for s in slots if fleet.setup.owner_port(s) == port}
+            assert {fleet_slot(k) for k in ours} <= mine, f"a fleet key in another slot on {port}"
+            counts[port] = len(ours)
     with redis.Redis(port=owner) as direct:
-        assert direct.info("replication")["role"] == "master"
         assert direct.exists(record, fleet.keys.tokens(handle.request_id)) == 2
-        ours = [k.decode() for k in direct.scan_iter(match="{hacl}:*", count=1000)]
-        assert ours and {fleet_slot(k) for k in ours} == {fleet.slot}
-    others = [p for p in fleet.setup.primaries() if p != owner]
-    for port in others:
-        with redis.Redis(port=port) as other:
-            assert not list(other.scan_iter(match="{hacl}:*")), f"a fleet key landed on {port}"
+    with redis.Redis(port=fleet.setup.owner_port(fleet.fleet_slot)) as direct:
+        assert direct.sismember(fleet.keys.fleet.lanes, "default")
+        assert direct.zscore(fleet.keys.fleet.served, "default")
     print(
-        f"[counts] slot {fleet.slot} on {owner}: {len(ours)} keys; "
-        f"the {len(others)} other primaries none"
+        f"[counts] lane slot {fleet.slot}, fleet slot {fleet.fleet_slot}; keys by primary {counts}"
     )
 
 
@@ -145,10 +161,70 @@ def test_kv_pool_members_on_the_cluster(fleet: Fleet) -> None:
         handles = [client.submit(f"pool {i}", max_tokens=8, ignore_eos=True) for i in range(4)]
         for h in handles:
             assert len(h.result(timeout=DEADLINE_S).token_ids) == 8
-    snap = pool_snapshot(fleet.r, fleet.keys, "p")
+    snap = pool_snapshot(fleet.fleet_r, fleet.keys.fleet, "p")  # (pools: the fleet's slot)
     members = {m["name"] for m in snap["members"]}
     assert members == {w.name for w in fleet.workers}
     assert sum(m["held"] for m in snap["members"]) == snap["held"] <= snap["total"]
+
+
+def _model_on_another_primary(fleet: Fleet) -> str:
+    """A model name whose lane's slot is owned by another primary than the default lane's."""
+    taken = fleet.setup.owner_port(fleet.slot)
+    for n in range(100):
+        name = f"second-{n}"
+        if fleet.setup.owner_port(fleet_slot(fleet.keys.for_model(name).root)) != taken:
+            return name
+    raise AssertionError("no model name with a lane on another primary in 100 tries")
+
+
+def test_two_models_of_one_fleet_run_on_two_primaries(
+    fleet: Fleet,
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    second = _model_on_another_primary(fleet)
+    lane = fleet.keys.for_model(second)
+    worker = HAWorker(tiny_llama_dir, fleet.setup, PREFIX, "cl-2nd", tmp_path, model=second)
+    try:
+        with redis_client(replace(fleet.settings, lane=second)) as r2:
+            wait_for(lambda: worker.ready(r2), "the second model's worker")
+            with Client.from_url(settings=fleet.settings) as client:
+                handles = {
+                    m: [client.submit(f"{m} {i}", model=m, max_tokens=6) for i in range(3)]
+                    for m in ("default", second)
+                }
+                for hs in handles.values():
+                    for h in hs:
+                        assert len(h.result(timeout=DEADLINE_S).token_ids) > 0
+                served = {m.name: m for m in client.models()}
+                assert served["default"].served and served[second].served
+                assert served[second].workers == ("cl-2nd",)
+                # a lookup by id alone finds each request in its model's lane
+                again = Client.from_url(settings=fleet.settings)
+                with again:
+                    for m, hs in handles.items():
+                        assert {again.status(h.request_id).model for h in hs} == {m}
+                ran_on = {m: {client.status(h.request_id).ran_on for h in hs}
+                          for m, hs in handles.items()}  # fmt: skip
+            assert ran_on[second] == {"cl-2nd"} and "cl-2nd" not in ran_on["default"]
+            rid = handles[second][0].request_id
+            assert r2.exists(lane.record(rid))
+        owners = {
+            m: fleet.setup.owner_port(fleet_slot(fleet.keys.for_model(m).root))
+            for m in ("default", second)
+        }
+        assert owners["default"] != owners[second]
+        with redis.Redis(port=owners[second]) as direct:  # the record is on its lane's primary
+            assert direct.exists(lane.record(rid))
+        monkeypatch.setenv("TOKENFLEET_KEY_PREFIX", PREFIX)
+        assert main(["status", "--json", *cluster_flags(fleet.setup, PREFIX)]) == 0
+        snap = orjson.loads(capsys.readouterr().out)
+        assert {w["name"] for w in snap["workers"]} >= {"cl-a", "cl-b", "cl-2nd"}
+        print(f"[counts] one fleet, two models on primaries {owners}: 3 requests each, done")
+    finally:
+        worker.close()
 
 
 def test_the_gateway_serves_on_the_cluster(

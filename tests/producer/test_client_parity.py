@@ -58,7 +58,7 @@ CLIENTS = FacePair(
     Client,
     AsyncClient,
     {"close": "aclose", "__enter__": "__aenter__", "__exit__": "__aexit__"},
-    frozenset({"from_url", "handle", "batch"}),
+    frozenset({"from_url", "handle", "batch", "redis_for_key"}),
 )
 HANDLES = FacePair(
     Handle,

@@ -24,6 +24,7 @@ from tokenfleet.producer.core.effects import (
     Sleep,
     Subscribe,
 )
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.core.subscriptions import (
     RECONNECT_BACKOFF_CEILING_S,
     RECONNECT_BACKOFF_FIRST_S,
@@ -162,19 +163,28 @@ def _catching(command: Any) -> Plan[str]:
     return "not raised"
 
 
+def _sync_driver() -> SyncDriver:
+    client = redis.Redis.from_url(SETTINGS.redis_url)
+    return SyncDriver(SlotClients.single(client, None), client)  # type: ignore[arg-type]
+
+
+def _async_driver() -> AsyncDriver:
+    return AsyncDriver(SlotClients.single(None, None), None)  # type: ignore[arg-type]
+
+
 def test_drivers_throw_an_effects_exception_into_the_plan() -> None:
-    sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
+    sync = _sync_driver()
     assert sync.run(_catching(_boom)) == "caught boom"
-    aio = AsyncDriver(None, None)  # type: ignore[arg-type]
+    aio = _async_driver()
     assert asyncio.run(aio.run(_catching(_aboom))) == "caught boom"
 
 
 def test_both_drivers_perform_every_effect_type() -> None:
     effect_types = set(get_args(Effect))
     assert len(effect_types) == 9
-    sync = SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None)  # type: ignore[arg-type]
+    sync = _sync_driver()
     assert set(sync._perform) == effect_types
-    assert set(AsyncDriver(None, None)._perform) == effect_types  # type: ignore[arg-type]
+    assert set(_async_driver()._perform) == effect_types
 
 
 def test_an_uncaught_exception_leaves_the_driver() -> None:
@@ -182,7 +192,7 @@ def test_an_uncaught_exception_leaves_the_driver() -> None:
         yield Command(_boom, ())
 
     with pytest.raises(ValueError, match="boom"):
-        SyncDriver(redis.Redis.from_url(SETTINGS.redis_url), None).run(plan())  # type: ignore[arg-type]
+        _sync_driver().run(plan())
 
 
 def test_stream_refuses_a_bad_index(offline: Client) -> None:

@@ -67,6 +67,45 @@ def test_cluster_names_share_one_hash_slot_and_others_are_unchanged() -> None:
     ]  # fmt: skip
 
 
+def test_on_a_cluster_a_model_s_lane_is_its_own_slot_and_fleet_rooms_stay_in_the_fleet_s() -> None:
+    from dataclasses import replace
+
+    from tokenfleet.shared.cluster_connection import fleet_slot
+    from tokenfleet.shared.settings import Settings
+
+    settings = Settings(key_prefix="fleet", redis_mode="cluster")
+    fleet = Keys.for_settings(settings)
+    lane = Keys.for_settings(replace(settings, lane="org/model-1"))
+    assert lane == fleet.for_model("org/model-1") and lane.fleet == fleet and fleet.laned
+    lane_names = [lane.record("r"), lane.tokens("r"), lane.channel("r"), lane.cancel_set,
+                  lane.stream("org/model-1", Priority.BATCH), lane.queues, lane.drained,
+                  lane.worker("w"), lane.workers, lane.dead_letter, lane.served,
+                  lane.routers("org/model-1"), lane.session("h"), lane.prefixes("w")]  # fmt: skip
+    assert all(n.startswith("{fleet|org/model-1}:") for n in lane_names)
+    assert {fleet_slot(n) for n in lane_names} == {fleet_slot("{fleet|org/model-1}")}
+    fleet_names = [lane.api_key("k"), lane.batch("b"), lane.file("f"), lane.owners,
+                   lane.pool("p"), lane.pool_members("p"), lane.pools, lane.lanes,
+                   fleet.served, fleet.declared]  # fmt: skip
+    assert all(n.startswith("{fleet}:") for n in fleet_names)
+    assert lane.served != fleet.served  # the lane's copy, and the registry's
+    other = fleet.for_model("other")
+    assert other.record("r") != lane.record("r") and other.lanes == lane.lanes
+    # off a cluster a lane changes no name
+    plain = Keys.for_settings(replace(settings, redis_mode="standalone", lane="org/model-1"))
+    assert plain.for_model("x") == plain.fleet == plain and not plain.laned
+    assert plain.record("r") == "fleet:req:r" and plain.lanes == "fleet:lanes"
+
+
+def test_a_lane_is_set_by_code_not_by_the_environment() -> None:
+    from tokenfleet.shared.errors import SettingsError
+    from tokenfleet.shared.settings import Settings
+
+    with pytest.raises(SettingsError, match="TOKENFLEET_LANE"):
+        Settings.from_env({"TOKENFLEET_LANE": "m"})
+    with pytest.raises(SettingsError, match="not a model name"):
+        Settings(lane="{bad}")
+
+
 def test_two_prefixes_never_share_a_name() -> None:
     a, b = Keys("a"), Keys("b")
     assert a.record("x") != b.record("x")

@@ -2,12 +2,12 @@
 
 Real processes and real signals: a private redis-server (with AOF, ``appendfsync always``, or
 without persistence) is SIGKILLed and restarted on the same port and data directory, or
-SIGSTOPped for 15 s, while two worker processes (the tiny Llama) stream greedy generations to
-client threads reading through ``Handle.stream()`` on one shared ``Client``. With AOF: no worker
-exits, every request ends exactly once, ``done``, and each stream is gap-free, duplicate-free and
-equal to the uninterrupted in-process run. Without AOF: every reader still ends visibly (a
-terminal event, or ``RequestLost`` / ``UnknownRequest``), never hangs, and the workers serve
-new requests after the restart.
+SIGSTOPped past the socket timeout, while two worker processes (the tiny Llama) stream greedy
+generations to client threads reading through ``Handle.stream()`` on one shared ``Client``.
+With AOF: no worker exits, every request ends exactly once, ``done``, and each stream is
+gap-free, duplicate-free and equal to the uninterrupted in-process run. Without AOF: every
+reader still ends visibly (a terminal event, or ``RequestLost`` / ``UnknownRequest``), never
+hangs, and the workers serve new requests after the restart.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ MAX_TOKENS = 200
 # the prompts of test_worker_recovery: no near-tie along their 200 greedy tokens (a resumed
 # request recomputes its context in another batch; a near-tie could flip on rounding)
 PROMPTS = ["Morning light", "Under the bridge", "Far across the valley", "The night train"]
-STALL_S = 15.0  # longer than the default socket timeout (10 s): the stall is an outage
+STALL_TIMEOUT_S = 3  # the stall test's socket timeout (workers and client; default 10 s)
+STALL_S = 6.0  # longer than that timeout: the stall is an outage, not a slow reply
 READ_DEADLINE_S = 240.0  # a reader still reading after this is hanging
 
 
@@ -137,19 +138,26 @@ class Fleet:
 
 
 @contextmanager
-def fleet(model_dir: Path, log_dir: Path, *, appendonly: bool) -> Iterator[Fleet]:
+def fleet(
+    model_dir: Path, log_dir: Path, *, appendonly: bool, socket_timeout_s: int = 10
+) -> Iterator[Fleet]:
     server = RedisServer(unix_socket=False, appendonly=appendonly).start()
     workers: list[WorkerProc] = []
     client = None
+    env = {"TOKENFLEET_REDIS_SOCKET_TIMEOUT_S": str(socket_timeout_s)}
     try:
         workers = [
-            WorkerProc(model_dir, server.url, PREFIX, name, log_dir) for name in ("o-a", "o-b")
+            WorkerProc(model_dir, server.url, PREFIX, name, log_dir, env=env)
+            for name in ("o-a", "o-b")
         ]
         r = redis.Redis.from_url(server.url)
         for w in workers:
             w.wait_ready(r)
         r.close()
-        client = Client.from_url(settings=Settings(redis_url=server.url, key_prefix=PREFIX))
+        settings = Settings(
+            redis_url=server.url, key_prefix=PREFIX, redis_socket_timeout_s=socket_timeout_s
+        )
+        client = Client.from_url(settings=settings)
         yield Fleet(server, workers, client)
     finally:
         if client is not None:
@@ -197,10 +205,10 @@ def test_redis_killed_and_restarted_with_aof_under_load(
         r.close()
 
 
-def test_redis_stalled_for_15s_under_load(
+def test_redis_stalled_past_the_socket_timeout_under_load(
     tiny_model_dir: Path, reference: dict[str, list[int]], tmp_path: Path
 ) -> None:
-    with fleet(tiny_model_dir, tmp_path, appendonly=True) as f:
+    with fleet(tiny_model_dir, tmp_path, appendonly=True, socket_timeout_s=STALL_TIMEOUT_S) as f:
         f.submit([f"s-{i}" for i in range(8)])
         f.wait_mid_stream()
         f.server.pause()  # SIGSTOP: connections stay open, nothing answers

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
 from typing import Any
 
 from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
@@ -42,22 +41,10 @@ def register_actions(sub: Any) -> None:
         add_redis_flags(p)
 
 
-def worker_counts(client: Any, keys: Any) -> Counter[str]:
-    """Live workers per model: those whose heartbeat hash exists (one pipelined round trip)."""
-    from tokenfleet.shared.record import as_str
-
-    names = client.zrange(keys.workers, 0, -1)
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hget(keys.worker(as_str(name) or ""), "model")
-    return Counter(as_str(m) or "" for m in pipe.execute() if m is not None)
-
-
 def _fleet(args: argparse.Namespace) -> int:
     import orjson
 
     from tokenfleet.producer import Client
-    from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.redis_connect import redis_client
 
     settings = settings_from_flags(args)
@@ -65,10 +52,9 @@ def _fleet(args: argparse.Namespace) -> int:
     try:
         with Client(client, settings=settings) as producer:
             models = producer.models()
-        counts = worker_counts(client, Keys.for_settings(settings))
     finally:
         client.close()
-    rows = [{**m.to_dict(), "workers": counts.get(m.name, 0)} for m in models]
+    rows = [{**m.to_dict(), "workers": len(m.workers)} for m in models]
     if args.json:
         print(orjson.dumps(rows).decode())
         return 0

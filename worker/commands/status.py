@@ -53,16 +53,53 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
     """Workers and queues as plain data."""
     from tokenfleet.producer import Client
     from tokenfleet.shared.keys import Keys
-    from tokenfleet.shared.record import as_str
+    from tokenfleet.worker.commands.lanes import lane_clients
+    from tokenfleet.worker.commands.routed_status import routed_rows
     from tokenfleet.worker.commands.stream_lag import queue_lags
 
     keys = Keys.for_settings(settings)
     now = time.time()
+    producer = Client(client, settings=settings)
+    try:
+        queues = [q.to_dict() for q in producer.queue_stats()]
+        models = [m.to_dict() for m in producer.models()]
+    finally:
+        producer.close()
+    workers: list[dict[str, Any]] = []
+    lapsed: list[str] = []
+    routed: list[dict[str, Any]] = []
+    dead = 0
+    with lane_clients(client, settings) as lanes:
+        for lane, lane_client in lanes:
+            _lane_workers(lane_client, lane, now, workers, lapsed)
+            mine = [q for q in queues if not lane.laned or q["model"] == lane.lane]
+            for queue, lag in zip(mine, queue_lags(lane_client, lane, mine), strict=True):
+                queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA reads
+            routed += routed_rows(lane_client, lane, mine)
+            dead += lane_client.xlen(lane.dead_letter)
+    return {
+        "prefix": settings.key_prefix,
+        "workers": workers,
+        "lapsed_workers": lapsed,
+        "queues": queues,
+        "routed": routed,
+        "models": models,
+        "waiting_on_models": waiting_on_models(queues, models),
+        "dead_letters": dead,
+        "pools": _pools(client, keys),
+    }
+
+
+def _lane_workers(
+    client: Any, keys: Any, now: float, workers: list[dict[str, Any]], lapsed: list[str]
+) -> None:
+    """Add the workers of one lane (live ones as rows, lapsed ones by name)."""
+    from tokenfleet.shared.record import as_str
+
     names = [as_str(n) or "" for n in client.zrange(keys.workers, 0, -1)]
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.hgetall(keys.worker(name))
-    workers, lapsed = [], []
     for name, raw in zip(names, pipe.execute(), strict=True):
         if not raw:
             lapsed.append(name)
@@ -88,28 +125,6 @@ def snapshot(client: Any, settings: Any) -> dict[str, Any]:
                 "redis_outage_s": float(h.get("redis_outage_s") or 0.0),
             }
         )
-    producer = Client(client, settings=settings)
-    try:
-        queues = [q.to_dict() for q in producer.queue_stats()]
-        models = [m.to_dict() for m in producer.models()]
-    finally:
-        producer.close()
-    for queue, lag in zip(queues, queue_lags(client, keys, queues), strict=True):
-        queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA's scaler reads
-    dead = client.xlen(keys.dead_letter)
-    from tokenfleet.worker.commands.routed_status import routed_rows
-
-    return {
-        "prefix": settings.key_prefix,
-        "workers": workers,
-        "lapsed_workers": lapsed,
-        "queues": queues,
-        "routed": routed_rows(client, keys, queues),
-        "models": models,
-        "waiting_on_models": waiting_on_models(queues, models),
-        "dead_letters": dead,
-        "pools": _pools(client, keys),
-    }
 
 
 def waiting_on_models(

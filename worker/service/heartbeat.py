@@ -34,6 +34,7 @@ listed until that entry has been taken and has ended: a request is never orphane
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -49,6 +50,8 @@ from tokenfleet.shared.scripts.worker import FORGET_ROUTERS
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.service.prefix_set import PrefixSet
 
+log = logging.getLogger(__name__)
+REGISTRY_BACKOFF_S = 10.0  # after a failed registry write, beats skip it this long
 LAPSED_KEEP_S = 3600.0  # a name that has not beaten for this long leaves P:workers (and, once
 # its routed streams are empty, its model's routers set)
 FORGET_INTERVAL_S = 30.0  # how often a worker looks for lapsed routed workers to forget
@@ -67,8 +70,12 @@ class Heartbeat:
         worker_name: str,
         model_name: str,
         ttl_s: float,
+        fleet_client: redis.Redis | None = None,
     ) -> None:
         self.client = client
+        self.fleet_client = fleet_client  # a cluster: the registry's slot (``_register``)
+        self._registered: bool | None = None  # the last registry write went through
+        self._register_after = 0.0  # monotonic time before which no registry write is tried
         self.keys = Keys.for_settings(settings)
         self.worker_name = worker_name
         self.model_name = model_name
@@ -111,9 +118,36 @@ class Heartbeat:
         except Exception:
             self._beats = 0  # the prefix changes taken for this beat are lost: rewrite it all
             raise
+        self._register(now, serving)
         if time.monotonic() >= self._forget_at:
             self._forget_at = time.monotonic() + FORGET_INTERVAL_S
             self.forget_lapsed_routers(now)
+
+    def _register(self, now: float, serving: bool) -> None:
+        """On a cluster, write what the beat said into the fleet's registry too (another slot:
+        producers check a model there before they enqueue, and find its lane): the lane, and
+        while ``serving`` the model's served expiry. Best effort: the registry is advisory, and
+        the next beat writes it again (a lapse only delays a new model's first submit)."""
+        if self.fleet_client is None or time.monotonic() < self._register_after:
+            return
+        fleet = self.keys.fleet
+        try:
+            pipe = self.fleet_client.pipeline(transaction=True)
+            pipe.sadd(fleet.lanes, self.model_name)
+            if serving:
+                pipe.zadd(fleet.served, {self.model_name: now + self.ttl_ms / 1000}, gt=True)
+                pipe.zremrangebyscore(fleet.served, "-inf", now - LAPSED_KEEP_S)
+            pipe.execute()
+        except redis.RedisError as exc:
+            self._register_after = time.monotonic() + REGISTRY_BACKOFF_S  # (the engine waits
+            # on each try: a slot that does not answer is not asked again for a while)
+            if self._registered is not False:  # (once per lapse)
+                log.warning(
+                    "worker %s: the fleet registry missed a beat: %s", self.worker_name, exc
+                )
+            self._registered = False
+            return
+        self._registered = True
 
     def _route_beat(self, pipe: Any, now: float, serving: bool, running: int) -> None:
         """Queue the routing part of a beat (module doc) into ``pipe``."""
@@ -167,14 +201,19 @@ class Heartbeat:
         return forgotten
 
     def remove(self) -> None:
-        """Delete the heartbeat: this worker's leftover entries become claimable at once."""
+        """Delete the heartbeat: this worker's leftover entries become claimable at once. The
+        worker's last call: its client of the fleet's slot (a cluster) is closed after it."""
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(self.keys.worker(self.worker_name))
         pipe.zrem(self.keys.workers, self.worker_name)
         if self.prefixes is not None:  # no longer a target; stays listed for stealers
             pipe.delete(self.keys.prefixes(self.worker_name))
             pipe.zadd(self.keys.routers(self.model_name), {self.worker_name: time.time()}, xx=True)
-        pipe.execute()
+        try:
+            pipe.execute()
+        finally:
+            if self.fleet_client is not None:
+                self.fleet_client.close()
 
 
 def worker_stats(

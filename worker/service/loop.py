@@ -46,6 +46,7 @@ import logging
 import random
 import signal
 import time
+from dataclasses import replace
 from typing import Any
 
 import redis
@@ -96,10 +97,13 @@ class WorkerService:
         metrics: WorkerMetrics | None = None,
         make_params: MakeParams | None = None,
     ) -> None:
+        settings = replace(settings, lane=wsettings.model_name)  # a cluster: the model's slot
         self.engine = engine
         self.settings = settings
         self.ws = wsettings
         self.client = client or redis_client(settings)
+        keys = Keys.for_settings(settings)  # a cluster: the fleet's slot (registry, pools) apart
+        self.fleet_client = redis_client(replace(settings, lane="")) if keys.laned else None
         self.metrics = metrics or WorkerMetrics(wsettings.model_name)
         name = wsettings.name
         self.intake = Intake(
@@ -117,12 +121,13 @@ class WorkerService:
             make_params or engine_sampling_params,
             avg_prompt_tokens=float(wsettings.block_size),
         )
-        self.pool = pool_link(engine, self.client, Keys.for_settings(settings), wsettings)
+        self.pool = pool_link(engine, self.fleet_client or self.client, keys, wsettings)
         publisher = Publisher(
             self.client, settings, model_name=wsettings.model_name, worker_name=name
         )
+        apart = self.fleet_client is not None  # (a pool step in a round trip of its own)
         self.outbox = Outbox(
-            publisher, self.table, engine, self.metrics, self.pool, worker_name=name
+            publisher, self.table, engine, self.metrics, self.pool, worker_name=name, apart=apart
         )
         self.feed = Feeder(
             self.intake,
@@ -142,6 +147,7 @@ class WorkerService:
             worker_name=name,
             model_name=wsettings.model_name,
             ttl_s=wsettings.heartbeat_ttl_s,
+            fleet_client=self.fleet_client,
         )
         wire_routing(self.feed, self.heartbeat, engine, settings, wsettings)
         self.outage = OutageRider(
@@ -151,13 +157,12 @@ class WorkerService:
             registry=self.metrics.registry,
             model_name=wsettings.model_name,
             probe_key=self.intake.keys.worker_probe(name),
+            also=self.fleet_client if self.pool is not None else None,  # (pool calls go there)
         )
         self.doorbell = wire_doorbell(engine, self.client, self.intake.keys, wsettings)
         self._held: list[Any] | None = None  # a step's outputs not yet in the outbox
-        self.stop_requested = False
-        self._stop_at = 0.0
-        self._hurry = False
-        self.exit_code = 0
+        self.stop_requested, self.exit_code = False, 0
+        self._stop_at, self._hurry = 0.0, False
         self._kv_total = self._tokens_total = 0
 
     # -- control ------------------------------------------------------------------------------

@@ -90,11 +90,13 @@ class OutageRider:
         registry: CollectorRegistry,
         model_name: str,
         probe_key: str = "",
+        also: redis.Redis | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         jitter: Callable[[], float] = random.random,
     ) -> None:
         self.client = client
+        self.also = also  # a cluster: the fleet's slot, when the worker needs it (a KV pool)
         self.probe_key = probe_key  # written (SET, 1 s TTL) to test that writes go through
         self.worker_name = worker_name
         self.retry_s = retry_s  # 0: forever
@@ -132,8 +134,10 @@ class OutageRider:
     def _probe(self, writes: bool) -> None:
         """``PING``; with ``writes`` (this outage met a write refused or not replicated:
         ``ReplicationLagged``), a write and the client's ``WAIT`` too. Raises a ``REDIS_DOWN``
-        error while Redis is not back."""
+        error while Redis is not back (``also``: that one must answer too)."""
         self.client.ping()
+        if self.also is not None:
+            self.also.ping()
         if not (writes and self.probe_key):
             return
         wait = replica_wait.wait_of(self.client)
@@ -171,6 +175,8 @@ class OutageRider:
         try:
             while True:
                 self.client.connection_pool.disconnect()  # every pooled socket is suspect
+                if self.also is not None:
+                    self.also.connection_pool.disconnect()
                 writes = writes or isinstance(cause, replica_wait.ReplicationLagged)
                 try:
                     self._probe(writes)

@@ -62,8 +62,11 @@ class Outbox:
         pool: PoolSteps | None,
         *,
         worker_name: str,
+        apart: bool = False,
     ) -> None:
         self.publisher = publisher
+        self.pool_apart = apart  # a cluster: the pool's slot is not the lane's (its step then
+        # takes a round trip of its own, on the pool member's client)
         self.table = table
         self.engine = engine
         self.metrics = metrics
@@ -90,6 +93,7 @@ class Outbox:
         self.flush()
         ends = [finish_of(job, event, events) for job, event, events in step.finishes]
         call = self.pool.plan() if self.pool is not None else None
+        apart, call = (call, None) if self.pool_apart else (None, call)
         try:
             pending = self.publisher.send(step.tokens, ends, check, call)
         except BaseException:
@@ -97,6 +101,8 @@ class Outbox:
                 self.pool.abandon()
             raise
         self._inflight.append(pending)
+        if apart is not None:  # after the publish is queued: a failure here loses no event
+            self._step_pool_apart(apart)
         num_new = 0
         per_priority: dict[Priority, int] = {}  # bookkeeping once the round trip is on its way
         for job, events in step.tokens:
@@ -106,6 +112,18 @@ class Outbox:
         for p, n in per_priority.items():
             self.metrics.observe_tokens(p, n)
         return num_new
+
+    def _step_pool_apart(self, call: Any) -> None:
+        """Run the pool step ``call`` (a ``PoolCall``) alone, on its member's client."""
+        assert self.pool is not None
+        try:
+            pipe = call.member.client.pipeline(transaction=False)
+            call.queue(pipe)
+            reply = pipe.execute()[0]
+        except BaseException:
+            self.pool.abandon()
+            raise
+        self.pool.after_execute(reply)
 
     def flush(self) -> None:
         """Read the replies of every publish in flight (waiting if need be) and apply them."""
