@@ -275,9 +275,10 @@ class ClientCore(FleetViews, ABC, Generic[H]):
 
         def make_handles() -> None:  # while Redis runs the calls: a handle has no I/O
             if not results:  # (once: a round trip sent again calls it again)
-                new_handle, lane = self._new_handle, self._keys.for_model
+                new_handle = self._new_handle
+                lane = {m: self._keys.for_model(m) for m in {p.model for p in prepared}}
                 results.extend(
-                    [new_handle(p.request_id, None, p.deadline, lane(p.model)) for p in prepared]
+                    [new_handle(p.request_id, None, p.deadline, lane[p.model]) for p in prepared]
                 )
 
         # one round trip per slot (a cluster: per model's lane; else one for every batch)

@@ -22,7 +22,6 @@ here leaves nothing in Redis.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from redis.commands.core import BasicKeyCommands, SetCommands, SortedSetCommands
@@ -51,7 +50,7 @@ class LaneDirectory:
     def __init__(self, keys: Keys) -> None:
         self.keys = keys.fleet
         self._entered: set[str] = set()  # models this client added to the registry
-        self._ids: OrderedDict[str, str] = OrderedDict()
+        self._ids: dict[str, str] = {}  # oldest first (insertion order)
         self._registry: tuple[float, dict[str, float], set[str]] | None = None
         self._models: tuple[float, list[str]] | None = None  # (read at, lanes' models)
 
@@ -59,9 +58,8 @@ class LaneDirectory:
         """``request_id`` lives in ``model``'s lane."""
         if self.keys.laned:
             self._ids[request_id] = model
-            self._ids.move_to_end(request_id)
-            if len(self._ids) > _IDS_REMEMBERED:
-                self._ids.popitem(last=False)
+            if len(self._ids) > _IDS_REMEMBERED:  # forget the oldest (cheap: no reordering)
+                del self._ids[next(iter(self._ids))]
 
     # -- entering lanes -------------------------------------------------------------------------
     def enter(self, models: Iterable[str]) -> Plan[dict[str, ModelNotServed]]:
