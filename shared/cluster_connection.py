@@ -1,9 +1,10 @@
-"""Connections to the Redis Cluster primary that owns the fleet's hash slot (cluster mode).
+"""Connections to the Redis Cluster primary that owns one hash slot (cluster mode).
 
-In cluster mode every key and channel of a fleet starts with the hash tag ``{prefix}``
-(``shared.keys.Keys``), so the whole fleet lives in one slot, held by one primary at a time.
-tokenfleet therefore needs no cluster-aware client: a plain connection to that primary serves
-every script, pipeline and pub/sub subscription, exactly as on a standalone Redis.
+In cluster mode every key and channel of a fleet starts with a hash tag (``shared.keys.Keys``):
+a model's lane ``{prefix|model}`` or the fleet's own ``{prefix}``, each one slot, held by one
+primary at a time, and no script, pipeline or subscription spans two. tokenfleet therefore needs
+no cluster-aware client: a plain connection to a slot's primary serves everything in that slot,
+exactly as on a standalone Redis, and a process holds one such client per slot it uses.
 
 * :class:`SlotOwner` / :class:`AsyncSlotOwner` find the slot's primary: they ask a node
   (``CLUSTER SLOTS``) — first the owner found last time, then every node the cluster reported
@@ -58,7 +59,7 @@ _NOT_SERVED_HERE: tuple[type[redis.ResponseError], ...] = (
 
 
 class SlotMoved(redis.ConnectionError):
-    """The node this connection reached does not serve the fleet's slot (now): the slot moved
+    """The node this connection reached does not serve the client's slot (now): the slot moved
     (failover, migration) or the cluster is down. Handled like a lost connection."""
 
 
@@ -70,7 +71,7 @@ def not_served_here(exc: redis.ResponseError) -> bool:
 
 
 def fleet_slot(root: str) -> int:
-    """The hash slot of every name that starts with ``root`` (``{prefix}``)."""
+    """The hash slot of every name that starts with ``root`` (``{prefix}``, ``{prefix|model}``)."""
     return int(key_slot(root.encode()))
 
 
