@@ -18,7 +18,6 @@ from tokenfleet.producer.async_io.subscriber import AsyncSubscriber
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
-from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
@@ -46,21 +45,11 @@ class AsyncClient(ClientCore[AsyncHandle]):
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
-        subscriber = self._subscriber_of(redis_client)
         super().__init__(
-            subscriber,
+            redis_client,
             settings=settings,
             recheck_s=recheck_s,
             subscribe_timeout_s=subscribe_timeout_s,
-        )
-        self._redis = redis_client
-        self._slots = SlotClients(
-            redis_client,
-            subscriber,
-            first_root=self._keys.root,
-            cluster=self._keys.laned,  # a cluster: one more client per lane used (core.lanes)
-            make=lambda root: async_redis_client(self.settings, root=root),
-            subscriber_of=self._subscriber_of,
         )
         self._run = AsyncDriver(self._slots, redis_client).run
 
@@ -76,8 +65,8 @@ class AsyncClient(ClientCore[AsyncHandle]):
         return AsyncSubscriber(factory, commands=subscribe_commands(redis_client))
 
     @staticmethod
-    def _redis_for(settings: Settings) -> redis.asyncio.Redis:
-        return async_redis_client(settings)
+    def _redis_for(settings: Settings, *, root: str | None = None) -> redis.asyncio.Redis:
+        return async_redis_client(settings, root=root)
 
     def _new_handle(
         self,

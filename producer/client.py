@@ -15,7 +15,6 @@ import redis
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.models import ModelInfo
-from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
@@ -55,21 +54,11 @@ class Client(ClientCore[Handle]):
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
     ) -> None:
-        subscriber = self._subscriber_of(redis_client)
         super().__init__(
-            subscriber,
+            redis_client,
             settings=settings,
             recheck_s=recheck_s,
             subscribe_timeout_s=subscribe_timeout_s,
-        )
-        self._redis = redis_client
-        self._slots = SlotClients(
-            redis_client,
-            subscriber,
-            first_root=self._keys.root,
-            cluster=self._keys.laned,  # a cluster: one more client per lane used (core.lanes)
-            make=lambda root: redis_client_for(self.settings, root=root),
-            subscriber_of=self._subscriber_of,
         )
         self._run = SyncDriver(self._slots, redis_client).run
 
@@ -85,8 +74,8 @@ class Client(ClientCore[Handle]):
         )
 
     @staticmethod
-    def _redis_for(settings: Settings) -> redis.Redis:
-        return redis_client_for(settings)
+    def _redis_for(settings: Settings, *, root: str | None = None) -> redis.Redis:
+        return redis_client_for(settings, root=root)
 
     def _new_handle(
         self,

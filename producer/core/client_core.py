@@ -43,6 +43,7 @@ from tokenfleet.producer.core.route_tokenizer import (
     RouteTokenizers,
     compute_chains,
 )
+from tokenfleet.producer.core.slot_clients import SlotClients
 from tokenfleet.shared.errors import TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, Keys
 from tokenfleet.shared.priority import Priority
@@ -90,7 +91,7 @@ class ClientCore(FleetViews, ABC, Generic[H]):
 
     def __init__(
         self,
-        subscriber: SubscriberState,
+        redis_client: Any,
         *,
         settings: Settings | None,
         recheck_s: float,
@@ -100,7 +101,16 @@ class ClientCore(FleetViews, ABC, Generic[H]):
         self._keys = Keys.for_settings(self.settings)
         self.recheck_s = recheck_s
         self.subscribe_timeout_s = subscribe_timeout_s
-        self._subscriber = subscriber
+        self._redis = redis_client
+        self._subscriber: SubscriberState = self._subscriber_of(redis_client)
+        self._slots = SlotClients(
+            redis_client,
+            self._subscriber,
+            first_root=self._keys.root,
+            cluster=self._keys.laned,  # a cluster: one more client per lane used (core.lanes)
+            make=lambda root: self._redis_for(self.settings, root=root),
+            subscriber_of=self._subscriber_of,
+        )
         self._owns_redis = False
         self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
         self._route_tokenizers = RouteTokenizers(self._keys, ROUTERS_TTL_S)
@@ -119,9 +129,14 @@ class ClientCore(FleetViews, ABC, Generic[H]):
 
     @staticmethod
     @abstractmethod
-    def _redis_for(settings: Settings) -> Any:
+    def _redis_for(settings: Settings, *, root: str | None = None) -> Any:
         """A redis client of the face's kind with its own pool, in the settings' Redis mode
-        (``shared.redis_connect``)."""
+        (``shared.redis_connect``; ``root``: on a cluster, the slot it serves)."""
+
+    @staticmethod
+    @abstractmethod
+    def _subscriber_of(redis_client: Any) -> Any:
+        """The face's pub/sub subscriber, on connections built like ``redis_client``'s."""
 
     @abstractmethod
     def _new_handle(
@@ -145,7 +160,8 @@ class ClientCore(FleetViews, ABC, Generic[H]):
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
         keys = self._keys.for_model(prepared.model)
-        yield from self._enter_lane(keys, prepared)
+        if keys.laned:
+            yield from self._enter_lane(keys, prepared)
         if prepared.route_input is not None:
             tok = yield from self._route_tokenizers.get(prepared.model)
             if tok is not None:
@@ -324,7 +340,7 @@ class ClientCore(FleetViews, ABC, Generic[H]):
             for i, refusal in zip(indices, refusals, strict=True):
                 if refusal is not None:
                     results[i] = refusal  # its handle, made meanwhile, is dropped
-                else:
+                elif self._keys.laned:
                     self._lanes.remember(prepared[i].request_id, model)
         return results
 
