@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, Protocol, Self, TypeVar
 
 import redis
-from redis.commands.core import BasicKeyCommands, HashCommands, SortedSetCommands
+from redis.commands.core import HashCommands, SortedSetCommands
 
 from tokenfleet.producer.core import ops
 from tokenfleet.producer.core.effects import (
@@ -32,7 +32,6 @@ from tokenfleet.producer.core.effects import (
 from tokenfleet.producer.core.fleet_views import FleetViews
 from tokenfleet.producer.core.lanes import (
     LaneDirectory,
-    conflict_elsewhere,
     lane_failed,
     lane_refusals,
 )
@@ -160,8 +159,9 @@ class ClientCore(FleetViews, ABC, Generic[H]):
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
         keys = self._keys.for_model(prepared.model)
-        if keys.laned:
-            yield from self._enter_lane(keys, prepared)
+        if keys.laned:  # the checks a cluster's enqueue script cannot make (core.lanes)
+            for refusal in (yield from lane_refusals(self._lanes, [prepared])).values():
+                raise refusal
         if prepared.route_input is not None:
             tok = yield from self._route_tokenizers.get(prepared.model)
             if tok is not None:
@@ -196,19 +196,6 @@ class ClientCore(FleetViews, ABC, Generic[H]):
                 raise ops.refusal(code, value, prepared.request_id, prepared.model)
             yield Sleep(delay)
             delay = min(delay * growth, ceiling)
-
-    def _enter_lane(self, keys: Keys, prepared: Prepared) -> Plan[None]:
-        """On a cluster (``core.lanes``): register the model's lane, refuse a model the fleet
-        neither serves nor declares (unless the chosen id exists: the script answers for it),
-        and a chosen id another model's lane holds."""
-        refused = yield from self._lanes.enter([prepared.model])
-        rid = prepared.request_id
-        if refused and not (
-            prepared.chosen_id and (yield Command(BasicKeyCommands.exists, (keys.record(rid),)))
-        ):
-            raise refused[prepared.model]
-        if prepared.chosen_id and (yield from self._lanes.held_elsewhere(prepared.model, [rid])):
-            raise conflict_elsewhere(rid)
 
     def _route_targets(self, model: str) -> Plan[RouteTargets | None]:
         """The routing candidates for ``model`` (cached ``ROUTERS_TTL_S``); None: routing off."""

@@ -168,10 +168,11 @@ class LaneDirectory:
 def lane_refusals(
     lanes: LaneDirectory, prepared: Sequence[Prepared]
 ) -> Plan[dict[int, TokenfleetError]]:
-    """On a cluster, before any enqueue of ``submit_many``: index -> refusal of each request
-    whose model the fleet neither serves nor declares (unless its chosen id exists: the script
-    answers for it), or whose chosen id another model's lane holds or an earlier request of the
-    call takes for another model. Empty off a cluster (the enqueue script decides there)."""
+    """On a cluster, before any enqueue (``submit``, ``submit_many``): index -> refusal of
+    each request whose model the fleet neither serves nor declares (unless its chosen id
+    exists: the script answers for it), or whose chosen id another model's lane holds or an
+    earlier request of the call takes for another model. Empty off a cluster (the enqueue
+    script decides there)."""
     refusals: dict[int, TokenfleetError] = {}
     if not lanes.keys.laned:
         return refusals

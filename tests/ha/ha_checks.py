@@ -3,6 +3,7 @@ same promises through Sentinel and on a Cluster, written once."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,26 +64,27 @@ def check_gateway_serves(
         batch_worker.close()
 
 
-def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:
-    name = prefix.strip("{}")
-    free = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-free",
-                           "--json"))["api_key"]  # fmt: skip
-    limited = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-rpm1",
-                              "--rpm", "1", "--json"))["api_key"]  # fmt: skip
+@contextlib.contextmanager
+def gateway_process(
+    prefix: str, redis_flags: list[str], log_dir: Path, *extra: str
+) -> Iterator[str]:
+    """A real ``tokenfleet serve`` (uvicorn) with ``redis_flags`` and ``extra`` flags, healthy;
+    yields its base URL; SIGTERM after."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
     env.pop("REDIS_URL", None)
     args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
-            "--log-level", "warning", "--auth", "required", *redis_flags]  # fmt: skip
-    with open(log_dir / "gateway.log", "wb") as log:
+            "--log-level", "warning", *extra, *redis_flags]  # fmt: skip
+    log_path = log_dir / f"gateway-{port}.log"
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
         if proc.poll() is not None:
-            raise AssertionError((log_dir / "gateway.log").read_text())
+            raise AssertionError(log_path.read_text())
         try:
             return httpx.get(url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -89,6 +92,19 @@ def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: s
 
     try:
         wait_for(healthy, "the gateway's /health")
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:
+    name = prefix.strip("{}")
+    free = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-free",
+                           "--json"))["api_key"]  # fmt: skip
+    limited = json.loads(_cli(prefix, redis_flags, "keys", "create", "--name", f"{name}-rpm1",
+                              "--rpm", "1", "--json"))["api_key"]  # fmt: skip
+    with gateway_process(prefix, redis_flags, log_dir, "--auth", "required") as url:
         sdk = openai.OpenAI(base_url=url + "/v1", api_key=free, max_retries=0)
         whole = sdk.completions.create(model="default", prompt=prompt, max_tokens=6, seed=1)
         parts = [
@@ -106,9 +122,6 @@ def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: s
         with pytest.raises(openai.RateLimitError):
             capped.completions.create(model="default", prompt=prompt, max_tokens=2)
         _check_batch(sdk, prompt)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
 
 
 def _check_batch(sdk: openai.OpenAI, prompt: str) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
+import openai
 import orjson
 import pytest
 import redis
@@ -22,6 +24,7 @@ from ha_checks import (
     check_crash_recovery,
     check_gateway_serves,
     check_overflow_policies,
+    gateway_process,
     indices,
     terminal,
 )
@@ -222,6 +225,21 @@ def test_two_models_of_one_fleet_run_on_two_primaries(
         assert main(["status", "--json", *cluster_flags(fleet.setup, PREFIX)]) == 0
         snap = orjson.loads(capsys.readouterr().out)
         assert {w["name"] for w in snap["workers"]} >= {"cl-a", "cl-b", "cl-2nd"}
+        # through a real gateway (uvicorn) and the openai SDK: both models, and a request of
+        # the second read by id alone (its lane found by a gateway that never saw it)
+        with gateway_process(PREFIX, cluster_flags(fleet.setup, PREFIX), tmp_path) as url:
+            sdk = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            assert {"default", second} <= {m.id for m in sdk.models.list()}
+            for m in ("default", second):
+                out = sdk.completions.create(
+                    model=m, prompt=f"gateway {m}", max_tokens=5, extra_body={"ignore_eos": True}
+                )
+                assert out.choices[0].finish_reason == "length" and out.model == m
+            got = httpx.get(f"{url}/v1/requests/{rid}", timeout=30).json()
+            assert (got["status"], got["model"]) == ("done", second), got
+            with httpx.stream("GET", f"{url}/v1/requests/{rid}/events", timeout=30) as resp:
+                lines = [x for x in resp.iter_lines() if x]
+            assert sum(x.startswith("id: ") for x in lines) == 6 and lines[-1] == "data: [DONE]"
         print(f"[counts] one fleet, two models on primaries {owners}: 3 requests each, done")
     finally:
         worker.close()
