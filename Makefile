@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test setup redis7 lint typecheck pytest bench clean
+.PHONY: demo test setup redis7 chromium lint typecheck pytest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,11 @@ typecheck: $(STAMP)
 redis7:
 	bash scripts/ensure_redis.sh
 
-pytest: $(STAMP) redis7
+# The browser tests drive Debian's Chromium headless (Playwright, pointed at the system binary).
+chromium:
+	bash scripts/ensure_chromium.sh
+
+pytest: $(STAMP) redis7 chromium
 	$(PY) -m pytest -p no:cacheprovider
 
 test: lint typecheck pytest

@@ -9,7 +9,11 @@ same number of tokens. Three measurements, each repeated ``--rounds`` times, alt
 side goes first (the machine is shared: a pair measured close together is the fair comparison):
 
 * ``stream``: ``--concurrency`` requests of ``--max-tokens`` tokens at once; throughput =
-  tokens received / (last end - first submit), and the ratio gateway ÷ python.
+  tokens received / (last end - first submit), and the ratio gateway ÷ python. A third side,
+  ``sdk``, streams the same requests through the official ``openai`` SDK (``AsyncOpenAI``),
+  which is what users run: its errors are counted (must be 0), and so are its streams that
+  outlived the gateway's keep-alive interval (``--keepalive-s``; set it below a stream's length
+  to prove that keep-alives between token events do not break the SDK, issue 27).
 * ``ttft``: ``--ttft-requests`` pairs of single requests one after another (an idle fleet),
   the same prompt through each side back to back, which side first alternating; TTFT = first
   token received - submit; p50 of each side, and the p50 of the pairs' differences (the fairer
@@ -22,6 +26,7 @@ Run::
 
     .venv/bin/python benchmarks/bench_gateway.py                 # SmolLM2, a few minutes
     .venv/bin/python benchmarks/bench_gateway.py --model tiny --rounds 3
+    .venv/bin/python benchmarks/bench_gateway.py --keepalive-s 0.5   # streams outlive keep-alives
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import uuid
 from pathlib import Path
 
 import httpx
+import httpx2  # the openai SDK 3.x is built on it
+import openai
 import orjson
 
 from tokenfleet.producer import AsyncClient
@@ -76,10 +83,20 @@ def wait(check, what: str, timeout_s: float = 300.0) -> None:
 class Sides:
     """The two ways to submit the same request, each timed from submit to first / last token."""
 
-    def __init__(self, client: AsyncClient, http: httpx.AsyncClient, max_tokens: int) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        http: httpx.AsyncClient,
+        sdk: openai.AsyncOpenAI,
+        keepalive_s: float,
+    ) -> None:
         self.client = client
         self.http = http
-        self.max_tokens = max_tokens
+        self.sdk = sdk
+        self.keepalive_s = keepalive_s
+        self.sdk_errors: list[str] = []
+        self.sdk_streams = 0  # streams through the SDK that ended
+        self.sdk_outlived = 0  # ... whose tokens spanned more than one keep-alive interval
 
     async def python(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
         t0 = time.perf_counter()
@@ -112,6 +129,30 @@ class Sides:
                     first = first or time.perf_counter() - t0
         return first, time.perf_counter() - t0, n
 
+    async def sdk_stream(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+        """The official SDK's stream; an exception it raises is counted, not propagated."""
+        t0 = time.perf_counter()
+        first, last, n = 0.0, 0.0, 0
+        try:
+            chunks = await self.sdk.completions.create(
+                model="default",
+                prompt=prompt,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].finish_reason is None:
+                    n += 1
+                    last = time.perf_counter() - t0
+                    first = first or last
+        except Exception as exc:  # what a user's app would see: counted and shown
+            self.sdk_errors.append(f"{type(exc).__name__}: {exc}")
+        self.sdk_streams += 1
+        self.sdk_outlived += last - first > self.keepalive_s
+        return first, time.perf_counter() - t0, n
+
     async def gateway_whole(self, prompt: str) -> None:
         body = {"model": "default", "prompt": prompt, "max_tokens": 1, "temperature": 0}
         resp = await self.http.post("/v1/completions", json=body)
@@ -124,12 +165,13 @@ class Sides:
 
 
 async def stream_round(sides: Sides, side: str, n: int, max_tokens: int) -> float:
-    fn = sides.python if side == "python" else sides.gateway
+    fn = {"python": sides.python, "gateway": sides.gateway, "sdk": sides.sdk_stream}[side]
     t0 = time.perf_counter()
     results = await asyncio.gather(*(fn(PROMPTS[i % len(PROMPTS)], max_tokens) for i in range(n)))
     wall = time.perf_counter() - t0
     tokens = sum(r[2] for r in results)
-    assert tokens == n * max_tokens, (side, tokens)
+    if side != "sdk":  # the SDK side counts its failures instead (shown at the end)
+        assert tokens == n * max_tokens, (side, tokens)
     return tokens / wall
 
 
@@ -154,12 +196,17 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
     async with (
         AsyncClient.from_url(settings=settings) as client,
         httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http,
+        httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=256)) as sdk_http,
     ):
-        sides = Sides(client, http, args.max_tokens)
+        sdk = openai.AsyncOpenAI(
+            base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=sdk_http
+        )
+        sides = Sides(client, http, sdk, args.keepalive_s)
         await sides.python("warm up", 4)
         await sides.gateway("warm up", 4)
-        order = [("python", "gateway"), ("gateway", "python")]
-        tput: dict[str, list[float]] = {"python": [], "gateway": []}
+        await sides.sdk_stream("warm up", 4)
+        order = [("python", "gateway", "sdk"), ("sdk", "gateway", "python")]
+        tput: dict[str, list[float]] = {"python": [], "gateway": [], "sdk": []}
         ttft: dict[str, list[float]] = {"python": [], "gateway": []}
         rate: dict[str, list[float]] = {"python": [], "gateway": []}
         for rnd in range(args.rounds):
@@ -169,23 +216,31 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
                 )
             for i in range(args.ttft_requests):
                 for side in order[(rnd + i) % 2]:
+                    if side == "sdk":
+                        continue  # TTFT compares the Python client with raw SSE only
                     fn = sides.python if side == "python" else sides.gateway
                     ttft[side].append((await fn(PROMPTS[i % len(PROMPTS)], 2))[0] * 1000)
                 pairs.append(ttft["gateway"][-1] - ttft["python"][-1])
             for side in order[rnd % 2]:
+                if side == "sdk":
+                    continue
                 rate[side].append(
                     await rate_round(sides, side, args.rate_requests, args.concurrency)
                 )
             print(
                 f"round {rnd + 1}: stream tok/s python {tput['python'][-1]:.1f} gateway "
-                f"{tput['gateway'][-1]:.1f}; non-stream req/s python {rate['python'][-1]:.1f} "
+                f"{tput['gateway'][-1]:.1f} sdk {tput['sdk'][-1]:.1f}; "
+                f"non-stream req/s python {rate['python'][-1]:.1f} "
                 f"gateway {rate['gateway'][-1]:.1f}",
                 flush=True,
             )
     ratios = [g / p for g, p in zip(tput["gateway"], tput["python"], strict=True)]
     p50 = {s: percentile(v, 50) for s, v in ttft.items()}
     print()
-    print(f"model {args.model}; worker --threads 1; one uvicorn process; {args.rounds} rounds")
+    print(
+        f"model {args.model}; worker --threads 1; one uvicorn process; {args.rounds} rounds; "
+        f"keep-alive every {args.keepalive_s} s"
+    )
     print(f"{'measure':<44}{'python':>10}{'gateway':>10}{'ratio/diff':>12}")
     print(
         f"{'stream throughput, tok/s (median of rounds)':<44}"
@@ -193,6 +248,18 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
         f"{statistics.median(ratios):>12.3f}"
     )
     print(f"{'  per round gateway ÷ python':<44}{'':>20}  {' '.join(f'{r:.3f}' for r in ratios)}")
+    sdk_ratios = [g / p for g, p in zip(tput["sdk"], tput["python"], strict=True)]
+    print(
+        f"{'  openai SDK stream tok/s; ÷ python':<44}{'':>10}"
+        f"{statistics.median(tput['sdk']):>10.1f}{statistics.median(sdk_ratios):>12.3f}"
+    )
+    print(
+        f"{'  openai SDK streams: ended / errors':<44}{'':>10}"
+        f"{sides.sdk_streams:>10}{len(sides.sdk_errors):>12}"
+    )
+    print(f"{'  ... whose tokens outlived one keep-alive':<44}{'':>10}{sides.sdk_outlived:>10}")
+    for error in sides.sdk_errors[:5]:
+        print(f"    SDK error: {error}")
     print(
         f"{'TTFT p50, ms (idle fleet)':<44}{p50['python']:>10.2f}{p50['gateway']:>10.2f}"
         f"{p50['gateway'] - p50['python']:>+12.2f}"
@@ -217,6 +284,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ttft-requests", type=int, default=40)
     parser.add_argument("--rate-requests", type=int, default=200)
+    parser.add_argument(
+        "--keepalive-s", type=float, default=15.0, help="the gateway's SSE keep-alive interval"
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model = args.model
@@ -230,8 +300,11 @@ def main() -> None:
         cli = [sys.executable, "-m", "tokenfleet.worker.cli"]
         fleet = LocalFleet(model, server.url, key_prefix=prefix, num_workers=1).start(300)
         port = free_port()
+        serve = ["serve", "--port", str(port), "--log-level", "warning"]
         gateway = start(
-            [*cli, "serve", "--port", str(port), "--log-level", "warning"], env, tmp / "gw.log"
+            [*cli, *serve, "--keepalive-s", str(args.keepalive_s)],
+            env,
+            tmp / "gw.log",
         )
         try:
 

@@ -38,6 +38,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="what a client's disconnect does to its request (default: cancel)",
     )
+    p.add_argument(
+        "--keepalive-s",
+        type=float,
+        default=None,
+        help="seconds between SSE keep-alive comments (default: 15; proxies often cut a "
+        "connection idle for 60 s)",
+    )
     p.add_argument("--processes", type=int, default=1, help="uvicorn worker processes")
     p.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_redis_flags(p)
@@ -54,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_flags(args)
     flags = {"host": args.host, "port": args.port, "auth": args.auth}
     flags["on_disconnect"] = args.on_disconnect
+    flags["keepalive_s"] = args.keepalive_s
     gateway = GatewaySettings.from_env(**flags)
     if args.processes > 1:  # each process builds its own app: pass the settings by environment
         os.environ.update(redis_env(settings))

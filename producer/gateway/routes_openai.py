@@ -19,6 +19,7 @@ from sse_starlette import EventSourceResponse
 from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Accepted, Caller, Gateway
+from tokenfleet.producer.gateway.keepalive import event_stream
 from tokenfleet.producer.gateway.openai_api import (
     ChatBody,
     CompletionBody,
@@ -118,8 +119,11 @@ def _stream(
             if state.terminal is not None:
                 gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(state.terminal)))
 
-    return EventSourceResponse(
-        body(), headers=accepted.headers, ping=15, client_close_handler_callable=on_close
+    return event_stream(
+        body(),
+        keepalive_s=gw.settings.keepalive_s,
+        headers=accepted.headers,
+        on_client_close=on_close,
     )
 
 

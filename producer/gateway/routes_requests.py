@@ -15,6 +15,7 @@ from sse_starlette import EventSourceResponse
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Caller, Gateway
 from tokenfleet.producer.gateway.identity import kind_of, owns
+from tokenfleet.producer.gateway.keepalive import event_stream
 from tokenfleet.producer.gateway.responses import Framing
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
 from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
@@ -87,4 +88,6 @@ async def request_events(
         state=StreamState(),
         streams_open=gw.metrics.streams_open,
     )
-    return EventSourceResponse(events, headers={"X-Request-Id": request_id}, ping=15)
+    return event_stream(
+        events, keepalive_s=gw.settings.keepalive_s, headers={"X-Request-Id": request_id}
+    )

@@ -37,6 +37,10 @@ class GatewaySettings:
         batch_window: the most lines of one batch this process keeps in the fleet at once.
         batch_lease_ms: how long a batch this process drives stays its own without a renewal
             (another gateway takes a batch over this long after its driver died).
+        keepalive_s: seconds between SSE keep-alive comments on every stream (see
+            :mod:`tokenfleet.producer.gateway.keepalive`). 15 s keeps a stream well inside the
+            common 60 s idle timeouts of proxies and load balancers (nginx, AWS ALB) at the cost
+            of 14 bytes per interval.
     """
 
     host: str = "127.0.0.1"
@@ -50,6 +54,7 @@ class GatewaySettings:
     default_max_tokens: int = 256
     batch_window: int = 64
     batch_lease_ms: int = 10_000
+    keepalive_s: float = 15.0
 
     def __post_init__(self) -> None:
         if self.auth not in ("off", "required"):
@@ -69,6 +74,8 @@ class GatewaySettings:
         ):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.keepalive_s <= 3600:  # 0 would make sse-starlette spin
+            raise SettingsError(f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
         for name in ("submit_wait_s", "models_ttl_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -85,8 +85,9 @@ class Gateway(Proc):
         *extra: str,
         name: str = "gateway",
         env: dict[str, str] | None = None,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(self.port)]
         args += ["--log-level", "warning", *extra]

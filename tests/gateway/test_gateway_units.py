@@ -155,6 +155,26 @@ def test_settings_from_env() -> None:
         GatewaySettings(on_disconnect="ignore")
 
 
+def test_keepalive_setting_default_env_and_bounds() -> None:
+    assert GatewaySettings().keepalive_s == 15.0
+    env = {"TOKENFLEET_GATEWAY_KEEPALIVE_S": "2.5"}
+    assert GatewaySettings.from_env(env).keepalive_s == 2.5
+    assert GatewaySettings.from_env(env, keepalive_s=0.1).keepalive_s == 0.1  # the flag wins
+    for bad in (0.0, -1.0, 3601.0):  # 0 would make the ping task spin
+        with pytest.raises(SettingsError, match="keepalive_s"):
+            GatewaySettings(keepalive_s=bad)
+
+
+def test_keepalive_comment_has_no_blank_line() -> None:
+    """The keep-alive is one comment line: with a blank line after it, SDKs that keep the last
+    event id dispatch an empty event (issue 27)."""
+    from tokenfleet.producer.gateway.keepalive import KEEPALIVE_LINE, KeepAliveComment
+
+    wire = KeepAliveComment().encode()
+    assert wire == KEEPALIVE_LINE == b": keep-alive\r\n"
+    assert wire.count(b"\r\n") == 1 and wire.startswith(b":")
+
+
 def test_drain_meter_rate_and_retry_after() -> None:
     meter = DrainMeter(None, Keys("t"), window_s=30)  # type: ignore[arg-type]
     member = Keys.queue_member("m", Priority.NORMAL)
