@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test setup redis7 chromium lint typecheck pytest bench clean
+.PHONY: demo test setup redis7 chromium lint typecheck pytest bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -51,5 +51,9 @@ test: lint typecheck pytest
 bench: $(STAMP)
 	$(PY) -m tokenfleet.worker.cli bench all
 
+# The docs site (mkdocs.yml, docs/): built strict, so a broken link, anchor or API reference fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

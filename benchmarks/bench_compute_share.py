@@ -17,7 +17,8 @@ Reported: each member's tokens/s, the heavy ÷ light ratio (the weights say 3), 
 total ÷ the unshared pair's (what pacing costs in throughput).
 
 Run: ``.venv/bin/python benchmarks/bench_compute_share.py`` (appends a section to
-``benchmarks/RESULTS.md``; ``--no-write`` only prints).
+``benchmarks/HISTORY.md``; ``--no-write`` only prints; ``--record`` also writes the headline
+figure into ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
+HISTORY = Path(__file__).with_name("HISTORY.md")
+HEADLINE_KEY = "compute-share"  # its row in benchmarks/RESULTS.md
 BLOCK_SIZE = 16
 
 
@@ -154,6 +158,7 @@ def main() -> int:
     )
     parser.add_argument("--core", type=int, default=0, help="the CPU core every member shares")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    add_record_flag(parser)
     a = parser.parse_args()
     args = {
         k: getattr(a, k)
@@ -244,8 +249,12 @@ def main() -> int:
     text = "\n".join(lines)
     print(text)
     if not a.no_write:
-        with RESULTS.open("a") as f:
+        with HISTORY.open("a") as f:
             f.write("\n" + text)
+    if a.record:
+        light, heavy = shared["light"][0], shared["heavy"][0]
+        figure = f"{heavy / max(light, 1e-9):.2f} ({(light + heavy) / pair_rate:.2f})"
+        record_figures({HEADLINE_KEY: figure}, benchmarks=Path(__file__).parent)
     return 0
 
 

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
 
 @dataclass(slots=True)
 class Side:
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="wall: perf_counter; cpu: this thread's CPU time (needs --threads 1; steadier when "
         "other processes share the cores, since waiting for a core is not counted)",
     )
+    add_record_flag(parser)
     return parser
 
 
@@ -120,7 +123,7 @@ def tokenfleet_side(
         phase[0] = (phase[0] + 1) % bs
         return runner.execute(StepBatch(list(seqs)))  # a fresh batch per step, as in the engine
 
-    return Side(f"tokenfleet, {'shuffled' if shuffled else 'BlockManager'} tables", step)
+    return Side("tokenfleet, shuffled tables" if shuffled else OURS, step)
 
 
 def hf_side(
@@ -162,6 +165,8 @@ def hf_side(
 
 FLOOR = "floor: no attention at all"
 HF_SDPA = "HF sdpa + DynamicCache"
+OURS = "tokenfleet, BlockManager tables"
+HEADLINE_KEYS = ("decode-step", "smollm2-decode")  # benchmarks/RESULTS.md rows this script measures
 
 
 def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> Side:
@@ -294,6 +299,14 @@ def main() -> None:
     if args.plot:
         title = f"decode step, {args.model or 'tiny llama'}, {args.threads} thread(s)"
         plot(results, Path(args.plot), title)
+    if args.record:  # ours ÷ HF sdpa per batch size; the row whose command this run is, if any
+        ratio = " / ".join(f"{ours_vs_hf(results[b]):.2f}" for b in batches)
+        record_figures(dict.fromkeys(HEADLINE_KEYS, ratio), benchmarks=Path(__file__).parent)
+
+
+def ours_vs_hf(times: dict[str, list[float]]) -> float:
+    """The headline ratio: tokenfleet's step (BlockManager tables) ÷ HF sdpa's, medians."""
+    return statistics.median(times[OURS]) / statistics.median(times[HF_SDPA])
 
 
 if __name__ == "__main__":

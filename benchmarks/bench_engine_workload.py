@@ -43,6 +43,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import Workload, chat_workload, make_workload, percentile
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
+# benchmarks/RESULTS.md rows this script measures: ours ÷ a side, by the command of each row
+HEADLINE_KEYS = {
+    "hf-static": ("engine-static-20", "engine-static-200", "smollm2-engine-static"),
+    "hf-cb": ("engine-cb-20", "engine-cb-200", "smollm2-engine-cb"),
+}
+
 
 @dataclasses.dataclass(slots=True)
 class SideResult:
@@ -85,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sides", default="ours,hf-static,hf-cb", help="comma-separated: ours, hf-static, hf-cb"
     )
+    add_record_flag(parser)
     return parser
 
 
@@ -368,6 +377,7 @@ def main() -> None:
         "TTFT p50 s | TTFT p99 s | TPOT p50 ms |"
     )
     print("|---|---:|---:|---|---:|---:|---:|")
+    figures: dict[str, str] = {}
     for side in names:
         runs = [rnd[side] for rnd in rounds]
         ratios = [rnd["ours"].throughput / rnd[side].throughput for rnd in rounds if "ours" in rnd]
@@ -379,6 +389,12 @@ def main() -> None:
             f"{percentile(ttft, 50):.2f} | {percentile(ttft, 99):.2f} | "
             f"{1000 * percentile(tpot, 50):.1f} |"
         )
+        if ratios:
+            figures.update(
+                dict.fromkeys(HEADLINE_KEYS.get(side, ()), f"{statistics.median(ratios):.2f}")
+            )
+    if args.record and figures:
+        record_figures(figures, benchmarks=Path(__file__).parent)
     if args.plot:
         title = f"TTFT, {args.model or 'tiny llama'}, {len(wl.requests)} requests at {args.rate}/s"
         plot_ttft(rounds, names, Path(args.plot), title)

@@ -18,7 +18,8 @@ Scenarios:
   request: steps from the critical request's first ask to its admission.
 
 Run: ``.venv/bin/python benchmarks/bench_kv_pool.py`` (appends a section to
-``benchmarks/RESULTS.md``; ``--no-write`` only prints).
+``benchmarks/HISTORY.md``; ``--no-write`` only prints; ``--record`` also writes the headline
+figures into ``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.pool.admin import create_pool
 from tokenfleet.worker.pool.chunking import plan_blocks
@@ -46,7 +48,7 @@ from tokenfleet.worker.pool.grant import PoolGrant
 from tokenfleet.worker.pool.member import KVPoolMember
 from tokenfleet.worker.pool.orders import PreemptAsk
 
-RESULTS = Path(__file__).with_name("RESULTS.md")
+HISTORY = Path(__file__).with_name("HISTORY.md")
 BLOCK_SIZE = 16
 TOTAL_BLOCKS = 4096
 CHUNK = 32
@@ -292,6 +294,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds left out at the start")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    add_record_flag(parser)
     args = parser.parse_args()
     command = "python benchmarks/bench_kv_pool.py" + (
         f" --seconds {args.seconds:g}" if args.seconds != 15.0 else ""
@@ -309,11 +312,32 @@ def main() -> int:
     text = report(results, command)
     print(text)
     if not args.no_write:  # append: other benchmarks write their own sections
-        with RESULTS.open("a") as f:
+        with HISTORY.open("a") as f:
             if f.tell() == 0:
-                f.write("# Benchmark results\n")
+                f.write("# Benchmark history\n")
             f.write("\n" + text)
+    if args.record:
+        record_figures(headline_figures(results), benchmarks=Path(__file__).parent)
     return 0
+
+
+def headline_figures(results: list[dict[str, Any]]) -> dict[str, str]:
+    """The rows of benchmarks/RESULTS.md this run measures: the equal scenario's utilisation and
+    its lowest window's fairness, and the weighted scenario's largest deviation from the weights."""
+    by_name = {r["name"]: r for r in results}
+    equal, weighted = by_name["equal"], by_name["weighted"]
+    total_w, total_h = sum(weighted["weights"]), sum(weighted["mean_held"])
+    deviation = max(
+        abs((h / total_h) / (w / total_w) - 1)
+        for w, h in zip(weighted["weights"], weighted["mean_held"], strict=True)
+    )
+    return {
+        "kv-pool-held": f"{equal['util_held']:.1%} ({equal['util_used']:.1%} used)".replace(
+            "%", " %"
+        ),
+        "kv-pool-jain": f"{equal['jain_min']:.4f}",
+        "kv-pool-weighted": f"{deviation:.2%}".replace("%", " %"),
+    }
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import redis
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.core.request import prepare
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 PROMPT = "Summarise the following paragraph in one sentence: " + "lorem ipsum " * 20
@@ -85,6 +87,7 @@ def main() -> None:
     parser.add_argument("--latency-n", type=int, default=2000)
     parser.add_argument("--bulk-n", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=7)
+    add_record_flag(parser)
     args = parser.parse_args()
     with RedisServer(unix_socket=False) as server:
         lat = bench_submit(server.url, args.latency_n)
@@ -102,6 +105,13 @@ def main() -> None:
     print(f"{'raw pipelined XADD (entries/s, median)':44s} {statistics.median(raw):12.0f}")
     print(f"{'ratio submit_many / raw XADD (median)':44s} {statistics.median(ratios):12.2f}")
     print(f"{'ratio per round':44s} {' '.join(f'{x:.2f}' for x in ratios):>12s}")
+    if args.record:  # its rows in benchmarks/RESULTS.md
+        p50, p99 = 1e3 * statistics.median(lat), 1e3 * percentile(lat, 0.99)
+        figures = {
+            "submit-latency": f"{p50:.2f} / {p99:.2f} ms",
+            "submit-many": f"{statistics.median(ratios):.2f}",
+        }
+        record_figures(figures, benchmarks=Path(__file__).parent)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,13 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import Workload, make_workload, percentile
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
+# benchmarks/RESULTS.md rows this script measures (each row names the command that measures it)
+THROUGHPUT_KEYS = ("e2e-throughput", "e2e-throughput-25", "smollm2-e2e")
+TTFT_KEYS = ("e2e-ttft", "e2e-ttft-25")
+TWO_WORKERS_KEY = "e2e-two-workers"
+
 SPIN_S = 0.001
 
 
@@ -136,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="use this Redis (every side gets a unique key prefix) instead of "
         "starting a private redis-server",
     )
+    add_record_flag(p)
     return p
 
 
@@ -433,11 +441,16 @@ def main() -> int:
             f"(engine {percentile(engine_all, 50) * 1000:.1f}, fleet-1 "
             f"{percentile(fleet_all, 50) * 1000:.1f}) | <= 2 ms |"
         )
+    figures = dict.fromkeys(THROUGHPUT_KEYS, f"{statistics.median(ratios):.3f}")
+    figures.update(dict.fromkeys(TTFT_KEYS, f"{statistics.median(overheads):+.1f} ms"))
     if one_heavy is not None and two_heavy is not None:
         print(
             f"| fleet-2 / fleet-1 throughput (heavy) | "
             f"{two_heavy.throughput / one_heavy.throughput:.3f} | report |"
         )
+        figures[TWO_WORKERS_KEY] = f"{two_heavy.throughput / one_heavy.throughput:.2f}"
+    if args.record:
+        record_figures(figures, benchmarks=Path(__file__).parent)
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 
 PREFIX = "bench-start"
 LOAD_ONLY = (
@@ -91,6 +92,7 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2", help="what the worker loads (smollm2)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache start")
+    add_record_flag(parser)
     args = parser.parse_args()
     from tokenfleet.worker.devtools.local_redis import RedisServer
     from tokenfleet.worker.models.gguf_cache import cache_root
@@ -101,13 +103,11 @@ def main() -> None:
     try:
         if not args.no_cold:
             with tempfile.TemporaryDirectory() as cold:
-                rows["worker, cold cache (converts)"] = [
-                    start_worker(args.model, server.url, Path(cold), "cold")
-                ]
+                rows[COLD] = [start_worker(args.model, server.url, Path(cold), "cold")]
         warm = cache_root()
         folder = resolve_model(args.model, cache=warm)
         for i in range(args.rounds):
-            sides = ["worker, warm cache", "from_pretrained only"]
+            sides = [WARM, "from_pretrained only"]
             for name in sides if i % 2 == 0 else sides[::-1]:
                 if name == sides[0]:
                     result = start_worker(args.model, server.url, warm, f"w{i}")
@@ -125,6 +125,22 @@ def main() -> None:
             f"| {name} | {statistics.median(t for t, _ in runs):.2f} | "
             f"{statistics.median(m for _, m in runs):.0f} |"
         )
+    if args.record:
+        record_figures({HEADLINE_KEY: headline(rows)}, benchmarks=Path(__file__).parent)
+
+
+HEADLINE_KEY = "worker-start"  # its row in benchmarks/RESULTS.md
+WARM, COLD = "worker, warm cache", "worker, cold cache (converts)"
+
+
+def headline(rows: dict[str, list[tuple[float, float]]]) -> str:
+    """The row's figure: warm start (median s); its peak RSS (median GiB); the cold start."""
+    warm = rows[WARM]
+    text = (
+        f"{statistics.median(t for t, _ in warm):.2f} s; "
+        f"{statistics.median(m for _, m in warm) / 1024:.2f} GiB"
+    )
+    return text + (f"; cold {rows[COLD][0][0]:.1f} s" if COLD in rows else "")
 
 
 if __name__ == "__main__":

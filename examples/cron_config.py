@@ -1,7 +1,7 @@
 """Cron-driven inference: an rq cron config that fires a generation every hour.
 
 Run it with the JSON-serializing scheduler (rq 3.0's ``rq cron`` pickles jobs; see
-the README, "Cron-driven inference") and an rq worker that reads JSON only::
+docs/client.md, "Cron-driven inference") and an rq worker that reads JSON only::
 
     python -m tokenfleet.producer.cron examples/cron_config.py --url redis://redis:6379/0
     rq worker -S json --url redis://redis:6379/0 tokenfleet-cron

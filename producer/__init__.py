@@ -1,7 +1,7 @@
 """The client library a web app or a cron job uses to submit generation requests.
 
 ``Client`` (sync) and ``AsyncClient`` (asyncio) submit requests and return handles that stream
-tokens and results; see the README, "Submitting work".
+tokens and results; see docs/client.md.
 """
 
 from tokenfleet.producer.async_client import AsyncClient

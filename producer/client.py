@@ -104,7 +104,7 @@ class Client(ClientCore[Handle]):
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, prompt: Any = None, *, timeout: float | None = None, **params: Any) -> Handle:
-        """Enqueue one request and return its handle (parameters: README, "Submitting work").
+        """Enqueue one request and return its handle (parameters: docs/client.md).
 
         On a full queue: ``drop_newest`` raises ``Overloaded``; ``drop_oldest`` evicts the
         oldest waiting request; ``block`` waits for room up to ``timeout`` seconds (None: no
@@ -146,7 +146,7 @@ class Client(ClientCore[Handle]):
         strings). Invalid lines go to its error file; the rest run at priority ``batch``, a
         window at a time. Returns a ``BatchHandle`` (``status()``, ``wait(progress=...)``,
         which also drives the batch, ``results()``, ``errors()``, ``cancel()``). Needs the
-        ``gateway`` extra (README, "Batches")."""
+        ``gateway`` extra (docs/batches.md)."""
         from tokenfleet.producer.gateway.batches.handle import submit_batch_sync  # gateway extra
 
         return submit_batch_sync(
@@ -186,7 +186,7 @@ class Client(ClientCore[Handle]):
     def models(self) -> list[ModelInfo]:
         """Every model the fleet serves now or declares (or served within the last hour),
         sorted by name: whether a live worker serves it, whether it is declared, and when its
-        servers' heartbeats lapse. One snapshot (README, "Models in a fleet")."""
+        servers' heartbeats lapse. One snapshot (docs/models.md)."""
         return self._run(self._models())
 
     def queue_stats(self) -> list[QueueStats]:

@@ -108,7 +108,7 @@ def run_batch(
     completion_window: str = "24h",
     redis_url: str | None = None,
 ) -> dict[str, Any]:
-    """Run the OpenAI-style batch in the JSONL file ``path`` (README, "Batches") and wait for
+    """Run the OpenAI-style batch in the JSONL file ``path`` (docs/batches.md) and wait for
     it, driving it meanwhile; returns the final batch object (status, ``request_counts``,
     ``output_file_id``, ``error_file_id``). A cron config schedules it like ``generate``; a
     batch that ends other than ``completed`` fails the job. Needs the ``gateway`` extra."""

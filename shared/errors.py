@@ -44,7 +44,7 @@ class IdempotencyConflict(InvalidRequest):
 
 class ModelNotServed(InvalidRequest):
     """No live worker serves the request's model and the fleet does not declare it, in a fleet
-    that declares models or has live workers (README, "Models in a fleet"). Refused at submit,
+    that declares models or has live workers (docs/models.md). Refused at submit,
     with nothing written to Redis; the message names what is served and declared.
 
     ``model`` is the refused request's model when the caller knew it. An HTTP gateway answers
@@ -124,7 +124,7 @@ class RequestFailed(TokenfleetError):
         self.message = message
 
 
-# -- Redis outages (README "Redis outages") -------------------------------------------------------
+# -- Redis outages (docs/redis-modes.md, "Redis outages") --------------------------------------
 class RedisUnavailable(TokenfleetError, redis.ConnectionError):
     """Redis stayed unreachable for longer than ``Settings.redis_retry_s``: a handle gave up
     waiting (it retried with backoff until then). A ``redis.ConnectionError``, so code that

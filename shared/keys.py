@@ -294,7 +294,7 @@ class _WorkerKeys(_Root):
 
 
 class _RouteKeys(_Root):
-    """Routing (README "Routing"): per-worker routed streams, who takes routed work, what each
+    """Routing (docs/routing.md): per-worker routed streams, who takes routed work, what each
     worker's cache holds, sessions pinned to workers."""
 
     __slots__ = ()

@@ -18,7 +18,7 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
                     match it, see ``request_fingerprint``)
     route           how routing placed it: "prefix:N" (N leading chain links matched),
                     "session";
-                    absent: "shared" (README "Routing")
+                    absent: "shared" (docs/routing.md)
     routed_to       the worker of its routed stream; absent: none (both kept when another
                     worker takes it)
     taken           another worker took it after it waited: "stolen_by:W" (from a routed

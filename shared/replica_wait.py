@@ -19,7 +19,7 @@ a submit, a ``submit_many`` round trip, a cancel — end with ``WAIT`` on their 
 submit that raises ``ReplicationLagged`` is sent again with the same request id
 (``client_core``), a cancel raises it to the caller.
 
-The server's side of the same promise, ``min-replicas-to-write N`` (README "Redis modes"): a
+The server's side of the same promise, ``min-replicas-to-write N`` (docs/redis-modes.md): a
 primary with fewer than N replicas acknowledging within ``min-replicas-max-lag`` refuses every
 write with ``NOREPLICAS`` (a script at its first write, so before it changed anything). Every
 connection the client factory builds, in every mode, takes that reply as this module's

@@ -53,7 +53,7 @@ class Settings:
             ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
             ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
             ``cluster`` (the primaries owning the fleet's hash slots: one per model's lane,
-            one for the fleet; ``redis_url`` names any node, db 0: README, "Redis modes").
+            one for the fleet; ``redis_url`` names any node, db 0: docs/redis-modes.md).
         sentinels: ``host:port,host:port,...`` of the Sentinel processes (sentinel mode).
         sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
         sentinel_username: ACL user for the sentinels themselves, if they require auth.
@@ -63,11 +63,11 @@ class Settings:
         redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
             starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
             counts as a lost connection and is sent again after reconnecting; a producer's
-            submits and cancels likewise (``shared.replica_wait``; README, "Redis modes": what
+            submits and cancels likewise (``shared.replica_wait``; docs/redis-modes.md: what
             a failover may lose).
         redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
         routing: ``prefix`` (the default): a producer routes a request to the live worker
-            holding its longest cached prefix, or its session's worker (README "Routing");
+            holding its longest cached prefix, or its session's worker (docs/routing.md);
             ``session``: by session only (the producer tokenizes nothing: a cheaper submit);
             ``off``: every request goes to its queue's shared stream. A worker with ``off``
             publishes nothing and is never a routing target (it still steals).

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tokenfleet",
         description="A Redis-backed fleet of LLM inference workers. "
         "Every command takes --redis-url (default: $REDIS_URL, else redis://localhost:6379/0) "
-        "and --redis-mode, --sentinels, --sentinel-service (README, 'Redis modes').",
+        "and --redis-mode, --sentinels, --sentinel-service (docs/redis-modes.md).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in COMMANDS:
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tokenfleet {args.command}: {exc}", file=sys.stderr)
         return 1
     except (redis.exceptions.NoPermissionError, redis.exceptions.AuthenticationError) as exc:
-        # a Redis user without this command's rights (README, "Redis ACL roles")
+        # a Redis user without this command's rights (docs/security.md, "Redis ACL roles")
         print(f"tokenfleet {args.command}: Redis refused: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -131,7 +131,7 @@ class WorkerSettings:
         block_ms: how long one blocking XREADGROUP waits in Redis before it is sent again (the
             loop never waits on it: it checks for its reply between steps, or sleeps on it with
             its own timers' timeout when idle).
-        kv_pool: shared KV pool to join (docs/kv_pools.md); None: the engine's whole cache.
+        kv_pool: shared KV pool to join (docs/kv-pools.md); None: the engine's whole cache.
         share_weight: this worker's weight in the pool (0.001 to 100).
         urgent_slots: how many more urgent requests a read may take beyond the free sequence
             slots, each taking a running ``batch`` request's slot (preempted, recomputed mostly
@@ -139,10 +139,10 @@ class WorkerSettings:
             them back (None: an eighth of ``max_num_seqs``, at least 1; 0: none). Only applies
             to a worker serving ``batch`` and a more urgent level, with ``batch_yields``.
         batch_yields: ``batch`` work sits out engine steps that prefill more urgent work, and
-            more urgent work arriving in Redis cuts a batch-only step short (docs in README,
+            more urgent work arriving in Redis cuts a batch-only step short (docs/workers.md,
             "Batch work yields"); False runs batch steps through like any other.
         steal_after_s: routed work waiting this long in another worker's routed stream may be
-            stolen by this worker when it has room (README "Routing").
+            stolen by this worker when it has room (docs/routing.md).
         overflow_for: this worker is an overflow worker for that model (its ``model_name``):
             it takes only that model's work that has waited ``overflow_after_s`` or more, from
             the shared and routed streams alike, and is never a routing target.

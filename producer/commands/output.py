@@ -1,7 +1,7 @@
 """What the request commands (``submit``, ``get``, ``follow``, ``cancel``) print, and their exit
 statuses, in one place.
 
-Exit statuses (README, "CLI"):
+Exit statuses (docs/client.md, "The command line"):
 
     0  the request ended ``done`` (``get``: a record was shown; ``cancel``: cancelled or asked)
     1  it ended otherwise (``cancelled``, ``expired``, ``dropped``, ``error``), or an error: bad

@@ -1,6 +1,6 @@
 """``tokenfleet serve``: the OpenAI-compatible HTTP gateway on uvicorn.
 
-Flags override ``TOKENFLEET_GATEWAY_*`` (README, "HTTP gateway"). ``--processes N`` runs N
+Flags override ``TOKENFLEET_GATEWAY_*`` (docs/gateway.md). ``--processes N`` runs N
 uvicorn worker processes on one port; as stateless as the gateway is, any number of ``serve``
 processes on any number of machines may also stand behind a load balancer.
 """

@@ -13,7 +13,7 @@ with plain reads (``Keys.laned`` False: every plan below is a no-op or answers f
 * **a request by id**: its lane is found by asking each lane whether the record exists (cached
   per id); a chosen id that another lane already holds is an ``IdempotencyConflict``, as in
   one slot (checked before the enqueue; two clients racing with one id for two models are not
-  stopped, which the README says).
+  stopped, which docs/redis-modes.md says).
 
 Invariant: nothing here writes except the registry's ``SADD`` (idempotent); a refusal raised
 here leaves nothing in Redis.

@@ -1,6 +1,6 @@
 """Which models the fleet serves and declares, as ``Client.models()`` reports them (no I/O).
 
-Two keys say it (README, "Models in a fleet"): ``Keys.served``, where each live worker's
+Two keys say it (docs/models.md): ``Keys.served``, where each live worker's
 heartbeat raises its model's expiry to ``now + heartbeat TTL`` (``ZADD GT``), and
 ``Keys.declared``, the names an operator declared. A model is *served* while its expiry is in
 the future. The same test decides at submit (the enqueue script), so what ``models()`` says is

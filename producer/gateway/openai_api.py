@@ -6,7 +6,7 @@ support is refused with a 400 naming it when it asks for something (``n`` > 1, `
 tools, penalties other than 0, ...); it is accepted when it holds the value that means "off". A
 field OpenAI does not define and we do not add is refused too: nothing is silently ignored.
 
-Extensions (README, "HTTP gateway"): ``priority`` (critical | normal | batch), ``deadline_s``,
+Extensions (docs/gateway.md): ``priority`` (critical | normal | batch), ``deadline_s``,
 ``top_k``, ``ignore_eos``, ``stop_token_ids``.
 """
 

@@ -1,6 +1,6 @@
 """``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``.
 
-Headers (README, "HTTP gateway"): ``Authorization: Bearer KEY`` (when keys are required),
+Headers (docs/gateway.md): ``Authorization: Bearer KEY`` (when keys are required),
 ``X-Priority`` (critical | normal | batch; the body's ``priority`` wins), ``X-Deadline-S``
 (seconds to start within; the body's ``deadline_s`` wins), ``Idempotency-Key`` (the same key
 and body return the same request; another body under it is 409), ``X-On-Disconnect`` (cancel |

@@ -8,7 +8,7 @@ first) and both end the request through ``tf_finish``, so it gets exactly one te
   terminal one is left alone.
 * ``EXPIRE_OVERDUE``: a ``queued`` request whose deadline has passed is finished ``expired``;
   anything else is left alone. Clients run it from ``status()`` and while waiting on a result,
-  so requests in a queue that no worker reads still end (see README "Deadlines").
+  so requests in a queue that no worker reads still end (docs/client.md, "Deadlines").
 """
 
 from __future__ import annotations

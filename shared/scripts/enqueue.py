@@ -23,7 +23,7 @@ them from prefix/suffix templates that ``Keys`` produces (never from names of it
 function, ``victim_keys``; docs/protocol.md ("Keys in scripts") says what a Redis Cluster
 deployment needs instead. Tokenfleet targets one Redis (or a primary).
 
-Routing (README "Routing"): with a :class:`RouteTargets` (the model's routing candidates, read
+Routing (docs/routing.md): with a :class:`RouteTargets` (the model's routing candidates, read
 by the producer from ``Keys.routers``), each request carries its session key and prefix chain
 and may go to a candidate's routed stream instead of the shared one; the bound counts the
 routed streams' waiting entries too (see the script's header).
@@ -43,7 +43,7 @@ from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fing
 from tokenfleet.shared.scripts.registry import load_lua
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
-# evicts or refuses (bounded work per call; see README "Deadlines").
+# evicts or refuses (bounded work per call; docs/client.md, "Deadlines").
 RECLAIM_SCAN = 16
 ID_PLACEHOLDER = "tfid-placeholder"
 DROPPED_MESSAGE = "evicted from its full queue by a newer request (policy drop_oldest)"

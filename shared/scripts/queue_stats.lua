@@ -1,5 +1,5 @@
 -- KEYS, per queue i = 1..n in order: its stream, its config hash, then its r_i routed streams
---      (P:rq:M:L:W of the model's routed workers, README "Routing")
+--      (P:rq:M:L:W of the model's routed workers, docs/routing.md)
 -- ARGV[1] = consumer group name
 -- ARGV[1+i] = r_i, routed streams of queue i (absent: 0)
 -- Returns {"ok", len1, pending1, max_waiting1, policy1, len2, ...}: len and pending summed over

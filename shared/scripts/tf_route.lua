@@ -1,7 +1,7 @@
 -- KEYS: none (an include, not a script: `-- @include tf_route.lua` pastes it into enqueue.lua;
 --       its functions take the keys they use as arguments, every one from the caller's KEYS[])
 -- ARGV: none
--- Routing (README "Routing") for one enqueue call. A call names its candidate workers (the
+-- Routing (docs/routing.md) for one enqueue call. A call names its candidate workers (the
 -- model's routers the producer knows of), each with two keys: KEYS[base + 2c] its prefix set,
 -- KEYS[base + 2c + 1] its routed stream of this queue (KEYS[base] is the routers set,
 -- KEYS[base + 1] the model's load hash). new_router() returns a table with:

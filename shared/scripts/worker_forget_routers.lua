@@ -5,7 +5,7 @@
 -- ARGV[2] = consumer group name          ARGV[3] = L, the routed streams per candidate
 -- ARGV[3 + c] = candidate c's name (C = #ARGV - 3)
 -- Returns {"ok", name...}: the candidates forgotten.
--- Forgets workers that lapsed long ago (README "Routing"): a candidate is forgotten only while
+-- Forgets workers that lapsed long ago (docs/routing.md): a candidate is forgotten only while
 -- its score is at most ARGV[1] and every one of its routed streams is empty (no entry, waiting
 -- or pending, and no pending id): then it leaves KEYS[1] and KEYS[2] and its routed streams are
 -- deleted. Stealers and claimers find a routed stream only through KEYS[1], so a stream that

@@ -1,5 +1,5 @@
-"""The README's Redis ACL roles on a real Redis Cluster (README "Redis ACL roles": in cluster
-mode the patterns carry the fleet's hash tag, and the roles add ``+cluster|slots`` and sharded
+"""The documented Redis ACL roles on a real Redis Cluster (docs/security.md, "In cluster
+mode": the patterns carry the fleet's hash tag, and the roles add ``+cluster|slots`` and sharded
 pub/sub). A real worker runs as ``tf-worker`` and a producer as ``tf-producer``, with the users
 set on every node (a replica promoted in a failover has them too): a request streams to the
 end, a queued one is cancelled, and no node logs a denial for either user."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import redis
+from acl_roles_doc import documented_acl_commands
 from ha_helpers import DEADLINE_S, HAWorker, seed_url, wait_for
-from readme_acl import readme_acl_commands
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings
@@ -23,7 +23,7 @@ from tokenfleet.worker.devtools.local_cluster import LocalCluster
 pytestmark = pytest.mark.slow
 PREFIX = "hacla"
 USERS = ("tf-producer", "tf-gateway", "tf-worker", "tf-admin")
-CLUSTER_EXTRA = {  # README: what cluster mode adds to each role
+CLUSTER_EXTRA = {  # docs/security.md: what cluster mode adds to each role
     "tf-producer": ["+cluster|slots", "+spublish", "+ssubscribe", "+sunsubscribe"],
     "tf-gateway": ["+cluster|slots", "+spublish", "+ssubscribe", "+sunsubscribe"],
     "tf-worker": ["+cluster|slots", "+spublish"],
@@ -32,9 +32,9 @@ CLUSTER_EXTRA = {  # README: what cluster mode adds to each role
 
 
 def cluster_acl_commands(passwords: dict[str, str]) -> list[list[str]]:
-    """The README's commands with the hash-tagged patterns and the cluster additions."""
+    """The documented commands with the hash-tagged patterns and the cluster additions."""
     out = []
-    for argv in readme_acl_commands(PREFIX, passwords, cluster=True):
+    for argv in documented_acl_commands(PREFIX, passwords, cluster=True):
         out.append([*argv, *CLUSTER_EXTRA[argv[2]]])
     return out
 
@@ -49,7 +49,7 @@ def users(redis_cluster: LocalCluster) -> Iterator[dict[str, str]]:
     passwords = {user: os.urandom(12).hex() for user in USERS}
     nodes = [redis.Redis(port=p) for p in redis_cluster.ports]
     version = tuple(int(x) for x in str(nodes[0].info("server")["redis_version"]).split(".")[:2])
-    setinfo = ["+client|setinfo"] if version >= (7, 2) else []  # README: add it there
+    setinfo = ["+client|setinfo"] if version >= (7, 2) else []  # docs/security.md: add it there
     try:
         for node in nodes:
             for argv in cluster_acl_commands(passwords):
@@ -79,7 +79,7 @@ def denials(cluster: LocalCluster, names: set[str]) -> list[dict[str, Any]]:
     return out
 
 
-def test_the_readme_roles_run_a_fleet_on_the_cluster(
+def test_the_documented_roles_run_a_fleet_on_the_cluster(
     redis_cluster: LocalCluster, users: dict[str, str], tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
     seed = seed_url(redis_cluster, PREFIX)

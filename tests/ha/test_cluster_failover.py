@@ -10,7 +10,7 @@ printed.
 
 A killed primary loses what it had not replicated yet (Redis replicates asynchronously): that
 test runs the workers and the producer with ``TOKENFLEET_REDIS_WAIT_REPLICAS=1``
-(``shared.replica_wait``), as README "Redis modes" recommends; a ``CLUSTER FAILOVER`` and a
+(``shared.replica_wait``), as docs/redis-modes.md recommends; a ``CLUSTER FAILOVER`` and a
 migration lose nothing by themselves (the replica catches up before it takes over; ``MIGRATE``
 moves each key atomically), so those tests run without it.
 

@@ -1,5 +1,5 @@
 """``min-replicas-to-write``, the server's side of "what the worker counts as written is on a
-replica" (README "Redis modes", ``shared.replica_wait``): a primary that has lost its replica
+replica" (docs/redis-modes.md, ``shared.replica_wait``): a primary that has lost its replica
 refuses every write with ``NOREPLICAS``. tokenfleet must take that as a wait, not as an error:
 a real worker in sentinel mode streams a request; the worker is held (SIGSTOP) so the request
 is certainly running, and the replica is stopped until the primary refuses writes; a submit

@@ -134,7 +134,7 @@ def test_critical_requests_run_on_blocks_preempted_from_a_flooded_worker(
     routed: bool,
 ) -> None:
     """``routed``: every request carries a session, so it goes through a worker's routed
-    stream (README "Routing"), pinned to its session's worker or stolen from it; the pool's
+    stream (docs/routing.md), pinned to its session's worker or stolen from it; the pool's
     promise is the same."""
     import torch
 

@@ -1,5 +1,5 @@
-"""Handles across Redis outages (README "Redis outages"): a restart is ridden out from the
-durable record, a stall too, and a record Redis lost ends the read with ``RequestLost``."""
+"""Handles across Redis outages (docs/redis-modes.md, "Redis outages"): a restart is ridden out
+from the durable record, a stall too, and a record Redis lost ends the read with ``RequestLost``."""
 
 from __future__ import annotations
 

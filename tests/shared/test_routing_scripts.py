@@ -163,7 +163,7 @@ def test_the_bound_counts_routed_entries_and_drop_oldest_evicts_across_streams(
     _live(r, keys, "wa")
     r.hset(keys.queue_config("default", P), mapping={"max_waiting": 2, "policy": "drop_oldest"})
     assert _submit(r, keys, "old", session="s").routed_to == "wa"
-    _next_ms(r)  # stream ids of two streams tie within one millisecond (README "Routing")
+    _next_ms(r)  # stream ids of two streams tie within one millisecond (docs/routing.md)
     _submit(r, keys, "mid")
     _submit(r, keys, "new")  # full (1 routed + 1 shared): the oldest, in the routed stream, goes
     assert r.hget(keys.record("old"), "status") == b"dropped"

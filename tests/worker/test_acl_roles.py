@@ -1,5 +1,6 @@
-"""Redis ACL roles (README, "Redis ACL roles"): a real worker process and a producer run with
-exactly the users the README's block creates, and each role is refused what is not its own."""
+"""Redis ACL roles (docs/security.md, "Redis ACL roles"): a real worker process and a producer
+run with exactly the users the page's block creates, and each role is refused what is not its
+own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import httpx
 import orjson
 import pytest
 import redis
-from readme_acl import readme_acl_commands
+from acl_roles_doc import documented_acl_commands
 from worker_helpers import WorkerProc, make_intake, wait_for
 
 from tokenfleet.producer import Client
@@ -47,10 +48,10 @@ def _acl_denials(rr: redis.Redis, users: Any) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def urls(redis_server: RedisServer, rr: redis.Redis) -> Iterator[dict[str, str]]:
     passwords = {user: os.urandom(12).hex() for user in USERS}
-    commands = readme_acl_commands(PREFIX, passwords)
+    commands = documented_acl_commands(PREFIX, passwords)
     assert [c[2] for c in commands] == list(USERS)
     version = tuple(int(x) for x in str(rr.info("server")["redis_version"]).split(".")[:2])
-    setinfo = version >= (7, 2)  # README: add +client|setinfo there
+    setinfo = version >= (7, 2)  # docs/security.md: add +client|setinfo there
     for argv in commands:
         rr.execute_command(*argv, *(["+client|setinfo"] if setinfo else []))
     try:
@@ -60,7 +61,7 @@ def urls(redis_server: RedisServer, rr: redis.Redis) -> Iterator[dict[str, str]]
             rr.acl_deluser(user)
 
 
-def test_the_fleet_runs_with_exactly_the_readme_users(
+def test_the_fleet_runs_with_exactly_the_documented_users(
     urls: dict[str, str],
     rr: redis.Redis,
     tiny_model_dir: Path,
@@ -275,7 +276,9 @@ def test_a_worker_user_without_client_unblock_says_so_once(
 ) -> None:
     password = os.urandom(12).hex()
     argv = next(
-        c for c in readme_acl_commands(PREFIX, dict.fromkeys(USERS, password)) if "tf-worker" in c
+        c
+        for c in documented_acl_commands(PREFIX, dict.fromkeys(USERS, password))
+        if "tf-worker" in c
     )
     user = "tf-worker-nounblock"
     rr.execute_command(*[user if a == "tf-worker" else a for a in argv], "-client|unblock")
@@ -326,7 +329,7 @@ def test_a_worker_user_without_client_unblock_says_so_once(
 def test_every_role_may_wait_for_replicas_and_a_refused_wait_is_not_lag(
     urls: dict[str, str], rr: redis.Redis
 ) -> None:
-    """``TOKENFLEET_REDIS_WAIT_REPLICAS`` ends round trips with ``WAIT``: the README's roles
+    """``TOKENFLEET_REDIS_WAIT_REPLICAS`` ends round trips with ``WAIT``: the documented roles
     allow it; a user without it gets Redis's ``NOPERM`` at once, never an endless "replicas
     lag" outage."""
     from tokenfleet.shared.redis_connect import redis_client

@@ -1,4 +1,4 @@
-"""Chaos: the fleet rides out Redis restarts and stalls (README "Redis outages").
+"""Chaos: the fleet rides out Redis restarts and stalls (docs/redis-modes.md, "Redis outages").
 
 Real processes and real signals: a private redis-server (with AOF, ``appendfsync always``, or
 without persistence) is SIGKILLed and restarted on the same port and data directory, or

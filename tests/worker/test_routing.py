@@ -1,4 +1,4 @@
-"""Routing with real worker processes (README "Routing"): sessions and prefixes pick the worker,
+"""Routing with real worker processes (docs/routing.md): sessions and prefixes pick the worker,
 idle workers steal what waits, a killed worker's routed work is taken over, models never mix,
 the overflow pool takes only aged work, and cancel / deadlines / overflow policies still hold.
 

@@ -4,7 +4,7 @@
 with its count of live workers; ``declare NAME...`` / ``undeclare NAME...`` edit the declared set
 (``Keys.declared``). A request for a model that is neither served nor declared is refused at
 submit once the fleet declares anything or has a live worker; a declared one with no live worker
-is accepted and waits (README, "Models in a fleet"). These actions talk to Redis; the local ones
+is accepted and waits (docs/models.md). These actions talk to Redis; the local ones
 beside them (``list``, ``prepare``, ``clear``) do not.
 """
 

@@ -1,5 +1,5 @@
 """``tokenfleet status``'s routing part: per model, its workers and its queue depths, routed
-streams included (README "Routing").
+streams included (docs/routing.md).
 
 A queue's depth is its shared stream's plus every routed stream's of that (model, priority),
 one per worker in the model's routers set (``Keys.routers``), live or lapsed: a lapsed worker's

@@ -1,6 +1,6 @@
 """``tokenfleet status``: live workers (heartbeat, running, KV use) and queues at a glance.
 
-Models (README, "Models in a fleet"): a model with waiting requests and no live worker is named
+Models (docs/models.md): a model with waiting requests and no live worker is named
 on a line of its own ("waiting on model X: N requests, no live worker").
 
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
@@ -9,14 +9,14 @@ live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSE
 ``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
 carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
 figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
-Routing (README "Routing"): each model with a queue or a live worker gets a line with its workers
+Routing (docs/routing.md): each model with a queue or a live worker gets a line with its workers
 and its waiting requests, shared and routed (``routed_status``); ``--json`` has the routed
 streams under ``routed`` and each model's live workers under ``models``.
 
-Redis outages (README "Redis outages"): a worker cut off from Redis cannot write its heartbeat,
-so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it is back
-it beats with ``redis_state`` = ``recovering`` until it has restored its state, and every beat
-counts its outages and the seconds it waited.
+Redis outages (docs/redis-modes.md, "Redis outages"): a worker cut off from Redis cannot write its
+heartbeat, so it shows as silent (its last beat ages: "waiting for Redis?") and then lapses; once it
+is back it beats with ``redis_state`` = ``recovering`` until it has restored its state, and every
+beat counts its outages and the seconds it waited.
 """
 
 from __future__ import annotations

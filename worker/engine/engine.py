@@ -234,7 +234,7 @@ class Engine:
 
     def pool_port(self) -> PoolPort:
         """This engine's one pool-facing object, which ``tokenfleet.worker.pool.link.PoolLink``
-        drives (docs/kv_pools.md). It holds no state of its own: any number of them agree."""
+        drives (docs/kv-pools.md). It holds no state of its own: any number of them agree."""
         return PoolPort(self.scheduler, self)
 
     # -------------------------------------------------------------------------------- step

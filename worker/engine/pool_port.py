@@ -1,7 +1,7 @@
 """The engine's one pool-facing object: what a shared KV pool reads from an engine and sets on it.
 
 ``tokenfleet.worker.pool.link.PoolLink`` drives a :class:`PoolPort` around each engine step (the
-per-step contract of docs/kv_pools.md): it sets the block limit (the pool's grant) and the token
+per-step contract of docs/kv-pools.md): it sets the block limit (the pool's grant) and the token
 limit (a compute share), reads what the pool call reports (blocks in use and wanted, blocks per
 priority, the head waiting request's shortfall, the tokens wanted) and executes a preemption order
 between steps. ``Engine.pool_port()`` makes one.

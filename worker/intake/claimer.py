@@ -28,16 +28,16 @@ the socket timeout, between executing the command and answering it). Nobody else
 ``claim_idle_s``, when the caller says what it runs), and starts it; ``START`` resumes it from
 its token list, or ends it if it ended meanwhile.
 
-Routed streams (README "Routing"): every stream of a served level is scanned, the shared one, this
+Routed streams (docs/routing.md): every stream of a served level is scanned, the shared one, this
 worker's routed one and every other routed worker's (``Keys.routers``): a dead worker's pending
 routed entries, and what a dead stealer took from anyone's, are claimed like shared ones.
 
-Overflow workers (``--overflow-for``, README "Overflow pool"): such a worker takes only work that
-has waited past its threshold, and a dead worker's entry waits from its owner's death on. So
-with ``dead_for_s`` set (its overflow threshold) it claims an entry only once it has found the
-owner without a heartbeat for that long (``_dead_since``, its own observation: heartbeat TTLs
-may differ between workers); regular workers, which claim at once, take such entries first
-whenever they have room, and with no regular worker alive the overflow worker still ends them.
+Overflow workers (``--overflow-for``, docs/routing.md, "Overflow pool"): such a worker takes only
+work that has waited past its threshold, and a dead worker's entry waits from its owner's death on.
+So with ``dead_for_s`` set (its overflow threshold) it claims an entry only once it has found the
+owner without a heartbeat for that long (``_dead_since``, its own observation: heartbeat TTLs may
+differ between workers); regular workers, which claim at once, take such entries first whenever they
+have room, and with no regular worker alive the overflow worker still ends them.
 
 Invariant: an entry whose owner has a live heartbeat is never claimed, except by a process of
 the owner's own name, for entries pending from before that process started, or for orphans;

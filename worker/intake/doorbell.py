@@ -69,7 +69,7 @@ class Doorbell:
         """An error reply (an ACL user without ``XREAD``): said once, never armed again."""
         log.warning(
             "the doorbell's XREAD was refused (%s): urgent arrivals no longer cut batch steps "
-            "short (grant +xread: README, Redis ACL roles)",
+            "short (grant +xread: docs/security.md, 'Redis ACL roles')",
             exc,
         )
         self.close()

@@ -165,8 +165,9 @@ class IntakeReader:
     def _unblock(self) -> None:
         """Make the blocking read in flight answer now (with what it has read, if anything).
 
-        A Redis user without ``CLIENT UNBLOCK`` (README, "Redis ACL roles") is said once; from
-        then on this reader leaves each blocking read to end at its own ``block_ms`` timeout."""
+        A Redis user without ``CLIENT UNBLOCK`` (docs/security.md, "Redis ACL roles") is said
+        once; from then on this reader leaves each blocking read to end at its own ``block_ms``
+        timeout."""
         if self._conn_id is not None and not self._unblock_refused:
             try:
                 self.intake.client.client_unblock(self._conn_id)
@@ -174,7 +175,7 @@ class IntakeReader:
                 self._unblock_refused = True
                 log.warning(
                     "CLIENT UNBLOCK refused (%s); from now on a blocking read ends at its "
-                    "%d ms timeout (grant +client|unblock: README, Redis ACL roles)",
+                    "%d ms timeout (grant +client|unblock: docs/security.md, 'Redis ACL roles')",
                     exc,
                     self.block_ms,
                 )

@@ -1,6 +1,6 @@
 """Stealing: an idle worker takes routed work that has waited too long for its target worker.
 
-Routing (README "Routing") puts a request in one worker's routed stream; nothing may wait on a
+Routing (docs/routing.md) puts a request in one worker's routed stream; nothing may wait on a
 busy worker while another idles. So a worker with room left after its own reads runs the
 ``STEAL`` script every ``steal_interval_s``: for the other workers' routed streams of its model
 (``Keys.routers`` lists every worker that took routed work, live or lapsed: a dead worker's

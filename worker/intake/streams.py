@@ -10,7 +10,7 @@ urgent than ``batch``: ``Feeder.read_budget``); a level capped at 0 is left out 
 too. Replies are parsed into :class:`Entry` objects; a stream or group deleted under the worker
 (NOGROUP, or the UNBLOCKED a blocked read gets) recreates the groups instead of failing.
 
-Routing (README "Routing"): each level has two streams, this worker's routed one
+Routing (docs/routing.md): each level has two streams, this worker's routed one
 (``Keys.routed``) and the shared one; every read takes the routed one first, and the two share
 the level's cap (``PULL``'s level groups). Entries of other workers' routed streams come in
 only through stealing (``tokenfleet.worker.intake.stealer``), which notes their streams here

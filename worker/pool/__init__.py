@@ -1,4 +1,4 @@
-"""Shared KV pools (issue 6, docs/kv_pools.md): the pool wing of the worker.
+"""Shared KV pools (issue 6, docs/kv-pools.md): the pool wing of the worker.
 
 One folder for everything about a pool, from the Redis scripts up to the CLI:
 

@@ -1,4 +1,4 @@
-"""One engine's link to a shared KV pool (issue 6): the per-step protocol of docs/kv_pools.md.
+"""One engine's link to a shared KV pool (issue 6): the per-step protocol of docs/kv-pools.md.
 
 The link drives the engine through its one pool-facing object, ``engine.pool_port()`` (a
 ``tokenfleet.worker.engine.pool_port.PoolPort``). The worker service owns one :class:`PoolLink`

@@ -2,7 +2,7 @@
 
 A member whose waiting request cannot get blocks adds a :class:`PreemptAsk` to its step; the pool
 may file an order against a donor running strictly less urgent work, whose next reply carries it
-once as a :class:`PreemptOrder` (docs/kv_pools.md, "Cross-worker preemption").
+once as a :class:`PreemptOrder` (docs/kv-pools.md, "Cross-worker preemption").
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Long prompts (``prompt_prep``): a prompt whose length alone proves it cannot fit
 started early but tokenized on a thread once started (``preparing`` in the table), and added to
 the engine by the first poll after its tokens are ready, so the loop keeps stepping meanwhile.
 
-Routing (README "Routing"): ``steal`` takes aged routed work of other workers (``stealer``)
+Routing (docs/routing.md): ``steal`` takes aged routed work of other workers (``stealer``)
 within the engine's room; every job owned is counted by how it came (hit, miss, steal,
 overflow). What the prefix cache holds reaches the routing from the engine itself
 (``prefix_set``). An overflow worker (``overflow``) reads nothing but what its stealer takes.

@@ -9,11 +9,11 @@ workers claim the entries of a worker whose heartbeat lapsed (``tokenfleet.worke
 While it takes new work, each beat also says which model it serves: ``ZADD P:served GT MODEL
 now+TTL`` (``GT``: a peer that beat later, or with a longer TTL, is never cut short), so a model
 is served exactly while one of its workers' heartbeats would still be alive; the enqueue script
-refuses requests for models neither served nor declared (README, "Models in a fleet"). Nothing
+refuses requests for models neither served nor declared (docs/models.md). Nothing
 is removed on exit (peers may serve the same model; the expiry ends it), and entries that lapsed
 ``LAPSED_KEEP_S`` ago are dropped like names.
 
-Routing (README "Routing"): a worker that takes routed work also sets its own score in
+Routing (docs/routing.md): a worker that takes routed work also sets its own score in
 ``P:routers:MODEL`` to its heartbeat's expiry (the enqueue script routes only to workers whose
 score is in the future; it stays listed after its death so that stealers and claimers, which
 know routed streams only from that set, find its routed stream) and its load, ``running`` and

@@ -14,7 +14,7 @@ One iteration::
 The loop owns no per-request bookkeeping (``run_table``); its steps live in ``feed``, ``adapter``
 and ``outbox``, the policies in ``step_failure``, ``handback`` and ``routing_wiring``.
 
-With ``--kv-pool`` a ``PoolLink`` (docs/kv_pools.md) rides along: it applies the pool's last reply
+With ``--kv-pool`` a ``PoolLink`` (docs/kv-pools.md) rides along: it applies the pool's last reply
 before ``engine.step()`` (the engine's block limit, a preemption order), adds the pool step to the
 same publish round trip, applies its reply with the publish's results, keeps the lease alive while
 idle, and leaves the pool on shutdown.

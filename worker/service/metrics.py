@@ -142,7 +142,7 @@ class WorkerMetrics:
         )
         self.routed = Counter(
             "tokenfleet:requests_routed",
-            "Requests started, by how they came (README Routing): hit (from this worker's "
+            "Requests started, by how they came (docs/routing.md): hit (from this worker's "
             "routed stream), miss (from the shared stream), steal (another worker's routed "
             "work that waited), overflow (aged work taken as an overflow worker).",
             [*m, "how"],

@@ -33,7 +33,7 @@ from tokenfleet.worker.service.prompt_bound import token_bound_for, utf8_length
 
 log = logging.getLogger(__name__)
 
-INLINE_PROMPT_CHARS = 4096  # longer prompts are tokenized on a thread (README: ~0.9 ms at this)
+INLINE_PROMPT_CHARS = 4096  # longer prompts go to a thread (docs/workers.md: ~0.9 ms at this)
 PROMPT_THREADS = 1  # one is enough: the Rust part runs with the GIL released
 
 

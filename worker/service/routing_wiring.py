@@ -1,4 +1,4 @@
-"""Wiring a worker into routing (README "Routing"): its stealer, its published prefix set.
+"""Wiring a worker into routing (docs/routing.md): its stealer, its published prefix set.
 
 * every worker steals: aged work of other workers' routed streams (``steal_after_s``);
 * an overflow worker (``--overflow-for``) steals with its overflow threshold from the shared

@@ -4,8 +4,9 @@ The scripts live in the source tree (they are not installed): this command finds
 under the current directory or next to an editable install and runs the chosen script with the
 same interpreter, passing the remaining arguments through. ``tokenfleet bench`` alone runs the
 end-to-end worker benchmark (``benchmarks/bench_worker_e2e.py``); ``tokenfleet bench all`` (what
-``make bench`` runs) runs every script with its defaults, one after the other, and fails if any
-failed.
+``make bench`` runs) runs every script with its defaults and ``--record`` (each writes its
+headline figures into ``benchmarks/RESULTS.md``: ``tokenfleet.worker.devtools.bench_table``),
+one after the other, and fails if any failed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+
+from tokenfleet.worker.devtools.bench_table import RECORD_FLAG
 
 # Benchmark name -> script in benchmarks/; ``bench all`` runs them in this order. Read-only.
 SCRIPTS: Mapping[str, str] = MappingProxyType(
@@ -94,13 +97,14 @@ def func(args: argparse.Namespace) -> int:
 
 
 def run_all(folder: Path) -> int:
-    """Every benchmark with its defaults, in turn; 0 only if each exited 0. A failure does not
-    stop the others (each measures something different), it is listed at the end."""
+    """Every benchmark with its defaults and ``--record``, in turn; 0 only if each exited 0. A
+    failure does not stop the others (each measures something different), it is listed at the
+    end."""
     failed: list[str] = []
     for i, (name, script) in enumerate(SCRIPTS.items(), start=1):
         print(f"\n== tokenfleet bench {name} ({i}/{len(SCRIPTS)}): {script} ==", flush=True)
         started = time.monotonic()
-        code = subprocess.call([sys.executable, str(folder / script)])
+        code = subprocess.call([sys.executable, str(folder / script), RECORD_FLAG])
         print(f"== {name}: exit {code} after {time.monotonic() - started:.0f} s ==", flush=True)
         if code != 0:
             failed.append(f"{name} (exit {code})")

@@ -56,7 +56,7 @@ class Row:
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "demo",
-        help="run a local fleet and stream a mix of requests (the README's main command)",
+        help="run a local fleet and stream a mix of requests (what `make demo` runs)",
         description="Start worker processes on SmolLM2-135M-Instruct (or --model), submit chat "
         "requests at "
         "the three priorities, stream their text live and print a summary table.",

@@ -1,4 +1,4 @@
-"""The README's Redis ACL roles as commands (README, "Redis ACL roles"): what
+"""The documented Redis ACL roles as commands (docs/security.md, "Redis ACL roles"): what
 tests/worker/test_acl_roles.py (standalone) and tests/ha/test_cluster_acl.py (cluster) run."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ACL_PAGE = Path(__file__).resolve().parents[1] / "docs" / "security.md"
 
 
-def readme_acl_commands(
+def documented_acl_commands(
     prefix: str, passwords: dict[str, str], *, cluster: bool = False
 ) -> list[list[str]]:
-    """The README's ``ACL SETUSER`` commands for ``prefix``, with the given passwords; with
-    ``cluster``, each pattern rewritten by the README's cluster rule (a key pattern for the
+    """The page's ``ACL SETUSER`` commands for ``prefix``, with the given passwords; with
+    ``cluster``, each pattern rewritten by the page's cluster rule (a key pattern for the
     fleet's slot ``{prefix}`` and one for every lane ``{prefix|*}``, a channel pattern for every
     lane; ``{prefix}:lanes`` added for the producer and the gateway)."""
-    block = README.read_text().split("<!-- acl-roles:", 1)[1]
+    block = ACL_PAGE.read_text().split("<!-- acl-roles:", 1)[1]
     block = block.split("```sh\n", 1)[1].split("```", 1)[0]
     out = []
     for line in block.replace("\\\n", " ").splitlines():
@@ -36,7 +36,7 @@ def readme_acl_commands(
 
 
 def _cluster_patterns(prefix: str, arg: str) -> list[str]:
-    """The README's cluster rule for one ``ACL SETUSER`` argument (others are kept)."""
+    """The page's cluster rule for one ``ACL SETUSER`` argument (others are kept)."""
     for head in ("%R~", "~"):
         if arg.startswith(head + "tokenfleet:"):
             tail = arg[len(head + "tokenfleet:") :]

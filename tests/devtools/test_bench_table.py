@@ -1,0 +1,188 @@
+"""The headline table updater: benchmarks write only their own rows' value and date cells, only
+for rows measured by their exact command, and README.md's block follows the table."""
+
+from __future__ import annotations
+
+import ast
+import datetime
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.worker.devtools import bench_table
+from tokenfleet.worker.devtools.commands import bench
+
+ROOT = Path(__file__).resolve().parents[2]
+DAY = datetime.date(2031, 2, 3)
+TABLE = f"""# Benchmark results
+
+Intro text | with a pipe, kept as it is.
+
+{bench_table.START}
+{bench_table.HEADER}
+{bench_table.RULE}
+| `alpha` | alpha ratio | ≥ 1.0 | 0.9 | 2026-01-01 | `python benchmarks/bench_a.py` |
+| `beta` | beta latency | report | 3 ms | 2026-01-02 | `python benchmarks/bench_a.py --rounds 5` |
+| `gamma` | gamma | report | 7 | 2026-01-03 | `python benchmarks/bench_b.py` |
+{bench_table.END}
+
+Notes after the table.
+"""
+README = """# x
+
+<!-- headline: gamma alpha -->
+| figure | goal | today | measured |
+|---|---|---|---|
+| stale | stale | stale | stale |
+<!-- headline: end -->
+
+## After
+"""
+
+
+def test_a_run_rewrites_the_value_and_date_of_its_rows_only() -> None:
+    text, said = bench_table.record(
+        TABLE, {"alpha": "1.07", "beta": "2 ms"}, "python benchmarks/bench_a.py", DAY
+    )
+    rows = {r.key: r for r in bench_table.parse_table(text)}
+    assert (rows["alpha"].today, rows["alpha"].measured) == ("1.07", "2031-02-03")
+    assert rows["alpha"].figure == "alpha ratio" and rows["alpha"].goal == "≥ 1.0"
+    # beta's row is measured by another command: its figure stays as it was measured
+    assert (rows["beta"].today, rows["beta"].measured) == ("3 ms", "2026-01-02")
+    assert (rows["gamma"].today, rows["gamma"].measured) == ("7", "2026-01-03")
+    assert said == ["alpha: 1.07 (2031-02-03)"]
+    old, new = TABLE.split("\n"), text.split("\n")
+    changed = [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b]
+    assert [old[i] for i in changed] == [
+        "| `alpha` | alpha ratio | ≥ 1.0 | 0.9 | 2026-01-01 | `python benchmarks/bench_a.py` |"
+    ]
+
+
+def test_a_run_that_matches_no_row_writes_nothing_and_says_so() -> None:
+    text, said = bench_table.record(TABLE, {"alpha": "2"}, "python benchmarks/bench_a.py -x", DAY)
+    assert text == TABLE
+    assert len(said) == 1 and said[0].startswith("nothing recorded")
+
+
+@pytest.mark.parametrize(
+    ("figures", "message"),
+    [
+        ({"delta": "1"}, "no row for ['delta']"),
+        ({"alpha": "1 | 2"}, "would break its cell"),
+        ({"alpha": ""}, "would break its cell"),
+        ({"alpha": "1\n2"}, "would break its cell"),
+    ],
+)
+def test_an_unknown_key_or_a_bad_value_is_refused(figures: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        bench_table.record(TABLE, figures, "python benchmarks/bench_a.py", DAY)
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        (TABLE.replace(bench_table.END, ""), "markers"),
+        (TABLE.replace(" | `python benchmarks/bench_b.py` |", " |"), "5 cells instead of 6"),
+        (TABLE.replace("| `gamma` |", "| gamma |"), "key cell must be in backticks"),
+        (TABLE.replace("`gamma`", "`alpha`"), "a key appears twice"),
+        (TABLE.replace(bench_table.RULE, "|---|"), "expected"),
+    ],
+)
+def test_a_malformed_table_is_refused(broken: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        bench_table.record(broken, {"alpha": "1"}, "python benchmarks/bench_a.py", DAY)
+
+
+def test_readme_block_is_rewritten_from_the_table_in_its_order() -> None:
+    out = bench_table.readme_block(README, TABLE)
+    assert out.split("\n")[3:8] == [
+        "| figure | goal | today | measured |",
+        "|---|---|---|---|",
+        "| gamma | report | 7 | 2026-01-03 |",
+        "| alpha ratio | ≥ 1.0 | 0.9 | 2026-01-01 |",
+        "<!-- headline: end -->",
+    ]
+    assert out.startswith("# x\n\n<!-- headline: gamma alpha -->\n")
+    assert out.endswith("<!-- headline: end -->\n\n## After\n")
+    assert bench_table.readme_block(out, TABLE) == out
+    assert bench_table.readme_block("# no block\n", TABLE) == "# no block\n"
+    with pytest.raises(ValueError, match="no row for"):
+        bench_table.readme_block(README.replace("gamma alpha", "gamma omega"), TABLE)
+    with pytest.raises(ValueError, match="not found"):
+        bench_table.readme_block(README.replace(bench_table.README_END, ""), TABLE)
+
+
+def test_the_run_command_is_the_script_and_its_arguments_without_record() -> None:
+    argv = ["/x/benchmarks/bench_a.py", "--record", "--batch", "1,8,32", "--name", "a b"]
+    assert bench_table.run_command(argv) == (
+        "python benchmarks/bench_a.py --batch 1,8,32 --name 'a b'"
+    )
+    assert bench_table.run_command(["bench_a.py"]) == "python benchmarks/bench_a.py"
+
+
+def test_record_figures_writes_the_table_and_the_readme(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "benchmarks").mkdir()
+    results, readme = tmp_path / "benchmarks" / "RESULTS.md", tmp_path / "README.md"
+    results.write_text(TABLE)
+    readme.write_text(README)
+    said = bench_table.record_figures(
+        {"alpha": "1.5", "gamma": "8"},
+        benchmarks=tmp_path / "benchmarks",
+        argv=["benchmarks/bench_a.py", "--record"],
+        date=DAY,
+    )
+    assert said == ["alpha: 1.5 (2031-02-03)"]
+    assert "RESULTS.md alpha: 1.5 (2031-02-03)" in capsys.readouterr().out
+    assert "| `alpha` | alpha ratio | ≥ 1.0 | 1.5 | 2031-02-03 |" in results.read_text()
+    assert "| alpha ratio | ≥ 1.0 | 1.5 | 2031-02-03 |" in readme.read_text()
+    assert "| gamma | report | 7 | 2026-01-03 |" in readme.read_text()
+    results.write_text(TABLE.replace("`gamma`", "`alpha`"))  # malformed: nothing is written
+    with pytest.raises(ValueError):
+        bench_table.record_figures(
+            {"alpha": "9"}, benchmarks=tmp_path / "benchmarks", argv=["bench_a.py"], date=DAY
+        )
+    assert "| alpha ratio | ≥ 1.0 | 1.5 |" in readme.read_text()
+
+
+def _headline_keys(script: Path) -> set[str]:
+    """The RESULTS.md keys a benchmark script names: string constants in the values of its
+    ``*_KEY`` / ``*_KEYS`` assignments (a dict's values, not its keys), and the literal keys of
+    the other dicts it builds with keys such as ``"submit-many"``."""
+    keys: set[object] = set()
+    declared: set[int] = set()  # dicts inside *_KEYS values: their keys name no row
+    tree = ast.parse(script.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id.endswith(("_KEY", "_KEYS")) for t in node.targets
+        ):
+            dicts = [d for d in ast.walk(node.value) if isinstance(d, ast.Dict)]
+            declared |= {id(d) for d in dicts}
+            not_keys = {id(k) for d in dicts for k in d.keys}
+            keys |= {
+                c.value
+                for c in ast.walk(node.value)
+                if isinstance(c, ast.Constant) and id(c) not in not_keys
+            }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict) and id(node) not in declared:
+            literal = [k.value for k in node.keys if isinstance(k, ast.Constant)]
+            if literal and all(isinstance(k, str) and "-" in k for k in literal):
+                keys |= set(literal)
+    return {k for k in keys if isinstance(k, str)}
+
+
+def test_every_make_bench_script_records_rows_the_table_has() -> None:
+    # A typo in a key would fail `make bench` only after minutes of measuring: caught here.
+    rows = {r.key: r for r in bench_table.parse_table((ROOT / "benchmarks/RESULTS.md").read_text())}
+    for script in bench.SCRIPTS.values():
+        keys = _headline_keys(ROOT / "benchmarks" / script)
+        assert keys, f"{script} records no headline figure"
+        assert keys <= set(rows), f"{script}: no row for {sorted(keys - set(rows))}"
+        for key in keys:
+            assert rows[key].command.startswith(f"python benchmarks/{script}"), (key, script)
+        default = f"python benchmarks/{script}"
+        assert any(rows[k].command == default for k in keys), (
+            f"make bench refreshes no {script} row"
+        )
