@@ -28,7 +28,7 @@ Intro text | with a pipe, kept as it is.
 
 Notes after the table.
 """
-README = """# x
+README_TEXT = """# x
 
 <!-- headline: gamma alpha -->
 | figure | goal | today | measured |
@@ -94,7 +94,7 @@ def test_a_malformed_table_is_refused(broken: str, message: str) -> None:
 
 
 def test_readme_block_is_rewritten_from_the_table_in_its_order() -> None:
-    out = bench_table.readme_block(README, TABLE)
+    out = bench_table.readme_block(README_TEXT, TABLE)
     assert out.split("\n")[3:8] == [
         "| figure | goal | today | measured |",
         "|---|---|---|---|",
@@ -107,9 +107,9 @@ def test_readme_block_is_rewritten_from_the_table_in_its_order() -> None:
     assert bench_table.readme_block(out, TABLE) == out
     assert bench_table.readme_block("# no block\n", TABLE) == "# no block\n"
     with pytest.raises(ValueError, match="no row for"):
-        bench_table.readme_block(README.replace("gamma alpha", "gamma omega"), TABLE)
+        bench_table.readme_block(README_TEXT.replace("gamma alpha", "gamma omega"), TABLE)
     with pytest.raises(ValueError, match="not found"):
-        bench_table.readme_block(README.replace(bench_table.README_END, ""), TABLE)
+        bench_table.readme_block(README_TEXT.replace(bench_table.README_END, ""), TABLE)
 
 
 def test_the_run_command_is_the_script_and_its_arguments_without_record() -> None:
@@ -126,7 +126,7 @@ def test_record_figures_writes_the_table_and_the_readme(
     (tmp_path / "benchmarks").mkdir()
     results, readme = tmp_path / "benchmarks" / "RESULTS.md", tmp_path / "README.md"
     results.write_text(TABLE)
-    readme.write_text(README)
+    readme.write_text(README_TEXT)
     said = bench_table.record_figures(
         {"alpha": "1.5", "gamma": "8"},
         benchmarks=tmp_path / "benchmarks",
