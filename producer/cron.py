@@ -37,10 +37,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now
 
+from tokenfleet.producer.cron_settings import CronSettings
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.settings_flags import add_flags, flag_values
 
 PROG = "python -m tokenfleet.producer.cron"
 CLUSTER_REFUSED = (
@@ -78,22 +80,19 @@ class JsonCronScheduler(CronScheduler):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command's flags: the config, rq's Redis (``--url``, alias ``--redis-url``) and the
-    Redis-mode flags every tokenfleet command takes (``shared.redis_flags``)."""
-    # "resolve": our --url/--redis-url replaces redis_flags' --redis-url (rq's URL comes first)
-    parser = argparse.ArgumentParser(prog=PROG, conflict_handler="resolve")
+    """The command's flags: the config, then the flags generated from ``CronSettings`` (rq's
+    Redis: ``--url``, alias ``--redis-url``; the log level) and the connection's Redis-mode flags
+    (``shared.redis_flags``; its own ``--redis-url`` is rq's here)."""
+    parser = argparse.ArgumentParser(prog=PROG)
     parser.add_argument("config", help="cron config file or module (rq.cron.register calls)")
-    add_redis_flags(parser)
-    parser.add_argument(
-        "--url",
-        "--redis-url",
-        dest="redis_url",
-        default=None,
-        help="rq's Redis (default: $RQ_REDIS_URL, else $REDIS_URL, else "
-        "redis://localhost:6379/0; in sentinel mode: the db, credentials and TLS only)",
-    )
-    parser.add_argument("--logging-level", default="INFO")
+    add_flags(parser, CronSettings)
+    add_redis_flags(parser, exclude=("redis_url",))
     return parser
+
+
+def cron_settings(args: argparse.Namespace) -> CronSettings:
+    """The cron process's own settings: the environment with the flags in ``args`` on top."""
+    return CronSettings.from_env(**flag_values(args, CronSettings))
 
 
 def rq_settings(args: argparse.Namespace) -> Settings:
@@ -103,7 +102,7 @@ def rq_settings(args: argparse.Namespace) -> Settings:
     Raises:
         SettingsError: a bad environment variable or flag value.
     """
-    return settings_from_flags(args, redis_url=os.environ.get("RQ_REDIS_URL") or None)
+    return settings_from_flags(args, redis_url=cron_settings(args).rq_redis_url or None)
 
 
 def rq_connection(settings: Settings) -> Redis:
@@ -127,7 +126,8 @@ def build_scheduler(argv: Sequence[str] | None = None) -> JsonCronScheduler:
     connection = rq_connection(rq_settings(args))
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `rq cron --path .`: relative configs import
-    scheduler = JsonCronScheduler(connection=connection, logging_level=args.logging_level.upper())
+    level = cron_settings(args).logging_level.upper()
+    scheduler = JsonCronScheduler(connection=connection, logging_level=level)
     scheduler.load_config_from_file(args.config)
     return scheduler
 

@@ -1,103 +1,171 @@
 """Settings every tokenfleet process shares, read from the environment or given explicitly.
 
-``Settings.from_env()`` reads ``REDIS_URL`` and ``TOKENFLEET_*``; a ``TOKENFLEET_`` variable this
-module does not know is an error rather than silently ignored (a misspelt setting should fail
-loudly).
+``Settings.from_env()`` reads ``REDIS_URL`` and ``TOKENFLEET_*`` as each field declares them
+(``tokenfleet.shared.declared_settings``); a ``TOKENFLEET_`` variable that no process declares is
+an error rather than silently ignored (a misspelt setting should fail loudly). Every setting, of
+every process kind: docs/configuration.md, generated from the declarations.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlparse
 
+from tokenfleet.shared import declared_settings
+from tokenfleet.shared.declared_settings import setting
 from tokenfleet.shared.errors import SettingsError
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# A pooled connection idle this long is PINGed before it is used again, so one a restarted Redis
+# dropped is replaced before a command fails. A constant: far below any proxy's idle timeout,
+# and it costs one PING per idle connection only.
+REDIS_HEALTH_CHECK_S = 30
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _URL_SCHEMES = ("redis", "rediss", "unix")
 # prefix: by cached prefix and session; session: by session only (no tokenizing); off: none
 ROUTING_MODES = ("prefix", "session", "off")
+REDIS_MODES = ("standalone", "sentinel", "cluster")
 _LANE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,127}$")  # a model name (shared.keys)
-_NOT_FROM_ENV = frozenset({"lane"})  # set by code (a worker: its model)
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    """Connection and protocol settings.
+    """Connection and protocol settings; each field's declaration says what it does.
 
-    Attributes:
-        redis_url: where the fleet's Redis lives (``redis://``, ``rediss://`` or ``unix://``).
-        key_prefix: first segment of every key and channel, so several fleets share one Redis.
-        record_ttl_s: lifetime of a request's durable record after it was last written.
-        max_payload_bytes: largest encoded request accepted; checked before parsing.
-        max_tokens_limit: largest ``max_tokens`` a request may ask for.
-        redis_socket_timeout_s: a Redis reply that takes longer than this counts as a lost
-            connection (the caller reconnects and retries; see ``redis_retry_s``). Longer than
-            any command tokenfleet sends (blocking reads wait 1 s), short enough to notice a
-            stalled or unreachable server.
-        redis_connect_timeout_s: how long one connection attempt may take.
-        redis_health_check_s: a pooled connection idle this long is PINGed before it is used
-            again (a connection a restarted Redis dropped is replaced before a command fails).
-        redis_retry_s: how long a process rides out an outage (Redis restarting, stalled or
-            unreachable) before it gives up: a handle raises ``RedisUnavailable``, a worker exits
-            with status 5; 0 keeps trying forever.
-        redis_max_connections: connections one client's pool opens at most (redis-py 8 caps
-            a pool at 100 and then fails commands with ``MaxConnectionsError``; a gateway or a
-            batch runner with hundreds of requests in flight needs more). An asyncio client
-            waits for a free connection (up to ``redis_socket_timeout_s``) instead of failing.
-        redis_mode: how clients reach Redis (``shared.redis_connect`` builds them all):
-            ``standalone`` (``redis_url``), ``sentinel`` (the primary of ``sentinel_service`` as
-            ``sentinels`` name it; ``redis_url`` still gives db, credentials and TLS) or
-            ``cluster`` (the primaries owning the fleet's hash slots: one per model's lane,
-            one for the fleet; ``redis_url`` names any node, db 0: docs/redis-modes.md).
-        sentinels: ``host:port,host:port,...`` of the Sentinel processes (sentinel mode).
-        sentinel_service: the service (master) name the sentinels monitor (sentinel mode).
-        sentinel_username: ACL user for the sentinels themselves, if they require auth.
-        sentinel_password: password for the sentinels themselves, if they require auth.
-        sentinel_tls: 1: reach the sentinels themselves over TLS, with the ``ssl_*`` options of
-            ``redis_url``'s query (its CA, client certificate, checks); 0 (default): plain TCP.
-        redis_wait_replicas: 0 (default) or N: every round trip of a worker's pipelines (reads,
-            starts, token and finish publishes) must be confirmed by N replicas (``WAIT``) or it
-            counts as a lost connection and is sent again after reconnecting; a producer's
-            submits and cancels likewise (``shared.replica_wait``; docs/redis-modes.md: what
-            a failover may lose).
-        redis_wait_ms: how long one ``WAIT`` may take before the round trip counts as lost.
-        routing: ``prefix`` (the default): a producer routes a request to the live worker
-            holding its longest cached prefix, or its session's worker (docs/routing.md);
-            ``session``: by session only (the producer tokenizes nothing: a cheaper submit);
-            ``off``: every request goes to its queue's shared stream. A worker with ``off``
-            publishes nothing and is never a routing target (it still steals).
-        session_ttl_s: how long a session stays pinned to its worker after its last request.
-        lane: the model whose lane (hash slot) this process's clients serve in cluster mode
-            (``shared.keys.Keys``; a worker sets its model); empty: the fleet's own slot. Set
-            by code, not by the environment; ignored off a cluster.
+    Invariants (checked at construction): ``redis_url`` is a Redis URL that ``redis_mode`` can
+    use; in sentinel mode ``sentinels`` parses and ``sentinel_service`` is given; ``key_prefix``
+    is 1-64 safe characters; every count and duration is a positive integer except
+    ``redis_retry_s`` and ``redis_wait_replicas`` (0 allowed).
     """
 
-    redis_url: str = DEFAULT_REDIS_URL
-    key_prefix: str = "tokenfleet"
-    record_ttl_s: int = 86_400
-    max_payload_bytes: int = 1_048_576
-    max_tokens_limit: int = 32_768
-    redis_socket_timeout_s: int = 10
-    redis_connect_timeout_s: int = 5
-    redis_health_check_s: int = 30
-    redis_retry_s: int = 300
-    redis_max_connections: int = 2000
-    redis_mode: str = "standalone"
-    sentinels: str = ""
-    sentinel_service: str = ""
-    sentinel_username: str = ""
-    sentinel_password: str = ""
-    sentinel_tls: int = 0
-    redis_wait_replicas: int = 0
-    redis_wait_ms: int = 500
-    routing: str = "prefix"
-    session_ttl_s: int = 600
-    lane: str = ""
+    redis_url: str = setting(
+        DEFAULT_REDIS_URL,
+        env="REDIS_URL",
+        flag="--redis-url",
+        help="where the fleet's Redis lives (redis://, rediss:// or unix://); in sentinel mode "
+        "it gives only the db, credentials and TLS, in cluster mode it names any node (db 0)",
+    )
+    key_prefix: str = setting(
+        "tokenfleet",
+        env="TOKENFLEET_KEY_PREFIX",
+        help="first segment of every key and channel, so several fleets share one Redis",
+    )
+    record_ttl_s: int = setting(
+        86_400,
+        env="TOKENFLEET_RECORD_TTL_S",
+        help="lifetime of a request's durable record after it was last written (seconds)",
+    )
+    max_payload_bytes: int = setting(
+        1_048_576,
+        env="TOKENFLEET_MAX_PAYLOAD_BYTES",
+        help="largest encoded request accepted; checked before parsing",
+    )
+    max_tokens_limit: int = setting(
+        32_768,
+        env="TOKENFLEET_MAX_TOKENS_LIMIT",
+        help="largest max_tokens a request may ask for",
+    )
+    redis_socket_timeout_s: int = setting(
+        10,
+        env="TOKENFLEET_REDIS_SOCKET_TIMEOUT_S",
+        help="a Redis reply later than this (seconds) counts as a lost connection: the caller "
+        "reconnects and retries (see TOKENFLEET_REDIS_RETRY_S); longer than any command "
+        "tokenfleet sends (blocking reads wait 1 s), short enough to notice a stalled server",
+    )
+    redis_connect_timeout_s: int = setting(
+        5,
+        env="TOKENFLEET_REDIS_CONNECT_TIMEOUT_S",
+        help="how long one connection attempt may take (seconds)",
+    )
+    redis_retry_s: int = setting(
+        300,
+        env="TOKENFLEET_REDIS_RETRY_S",
+        help="how long a process rides out a Redis outage (restarting, stalled or unreachable) "
+        "before it gives up: a handle raises RedisUnavailable, a worker exits with status 5; "
+        "0 keeps trying forever (seconds)",
+    )
+    redis_max_connections: int = setting(
+        2000,
+        env="TOKENFLEET_REDIS_MAX_CONNECTIONS",
+        help="connections one client's pool opens at most; an asyncio client at the limit "
+        "waits for a free one (up to the socket timeout) instead of failing (redis-py's own "
+        "cap, 100, failed a gateway or batch runner with more requests in flight)",
+    )
+    redis_mode: str = setting(
+        "standalone",
+        env="TOKENFLEET_REDIS_MODE",
+        flag="--redis-mode",
+        choices=REDIS_MODES,
+        help="how clients reach Redis: standalone (the server REDIS_URL names), sentinel (the "
+        "primary the sentinels name for the service) or cluster (the primaries owning the "
+        "fleet's hash slots: one per model's lane, one for the fleet)",
+    )
+    sentinels: str = setting(
+        "",
+        env="TOKENFLEET_SENTINELS",
+        flag="--sentinels",
+        metavar="HOST:PORT,...",
+        help="sentinel mode: the Sentinel processes, host:port,host:port,... (an IPv6 host in "
+        "brackets)",
+    )
+    sentinel_service: str = setting(
+        "",
+        env="TOKENFLEET_SENTINEL_SERVICE",
+        flag="--sentinel-service",
+        metavar="NAME",
+        help="sentinel mode: the service (master) name the sentinels monitor",
+    )
+    sentinel_username: str = setting(
+        "",
+        env="TOKENFLEET_SENTINEL_USERNAME",
+        help="ACL user for the sentinels themselves, if they require auth",
+    )
+    sentinel_password: str = setting(
+        "",
+        env="TOKENFLEET_SENTINEL_PASSWORD",
+        help="password for the sentinels themselves, if they require auth",
+    )
+    sentinel_tls: bool = setting(
+        False,
+        env="TOKENFLEET_SENTINEL_TLS",
+        help="reach the sentinels themselves over TLS, with the ssl_* options of REDIS_URL's "
+        "query (its CA, client certificate, checks); off: plain TCP",
+    )
+    redis_wait_replicas: int = setting(
+        0,
+        env="TOKENFLEET_REDIS_WAIT_REPLICAS",
+        help="N > 0: every round trip of a worker's pipelines (reads, starts, token and finish "
+        "publishes), and a producer's submits and cancels, must be confirmed by N replicas "
+        "(WAIT) or it counts as a lost connection and is sent again after reconnecting",
+    )
+    redis_wait_ms: int = setting(
+        500,
+        env="TOKENFLEET_REDIS_WAIT_MS",
+        help="how long one WAIT may take before the round trip counts as lost (milliseconds)",
+    )
+    routing: str = setting(
+        "prefix",
+        env="TOKENFLEET_ROUTING",
+        choices=ROUTING_MODES,
+        help="prefix: a producer routes a request to the live worker holding its longest cached "
+        "prefix, or its session's worker; session: by session only (nothing tokenized: a "
+        "cheaper submit); off: every request goes to its queue's shared stream. A worker with "
+        "off publishes nothing and is never a routing target (it still steals)",
+    )
+    session_ttl_s: int = setting(
+        600,
+        env="TOKENFLEET_SESSION_TTL_S",
+        help="how long a session stays pinned to its worker after its last request (seconds)",
+    )
+    lane: str = setting(
+        "",
+        help="set by code, not by the environment: the model whose lane (hash slot) this "
+        "process's clients serve in cluster mode (a worker sets its model); empty: the fleet's "
+        "own slot; ignored off a cluster",
+    )
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
@@ -119,7 +187,6 @@ class Settings:
             "max_tokens_limit",
             "redis_socket_timeout_s",
             "redis_connect_timeout_s",
-            "redis_health_check_s",
             "redis_wait_ms",
             "redis_max_connections",
             "session_ttl_s",
@@ -131,40 +198,20 @@ class Settings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SettingsError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.sentinel_tls not in (0, 1) or isinstance(self.sentinel_tls, bool):
+        if self.sentinel_tls not in (0, 1):  # a bool; 0 and 1 are accepted as they equal one
             raise SettingsError(
                 f"sentinel_tls (TOKENFLEET_SENTINEL_TLS) must be 0 or 1, got {self.sentinel_tls!r}"
             )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Build settings from ``REDIS_URL`` and ``TOKENFLEET_<FIELD>``; ``overrides`` win.
+        """Build settings from ``REDIS_URL`` and ``TOKENFLEET_*`` (default: ``os.environ``);
+        non-None ``overrides`` win.
 
         Raises:
             SettingsError: an unknown ``TOKENFLEET_`` variable, or a value that does not parse.
         """
-        env = os.environ if env is None else env
-        known = {f.name for f in fields(cls)} - _NOT_FROM_ENV
-        values: dict[str, Any] = {}
-        if env.get("REDIS_URL"):
-            values["redis_url"] = env["REDIS_URL"]
-        for var, raw in env.items():
-            if not var.startswith("TOKENFLEET_"):
-                continue
-            name = var[len("TOKENFLEET_") :].lower()
-            if name not in known:
-                if name in _ENV_OWNED_ELSEWHERE or name.startswith(_ENV_PREFIXES_OWNED_ELSEWHERE):
-                    continue
-                raise SettingsError(
-                    f"unknown setting {var}; known: "
-                    + ", ".join("TOKENFLEET_" + k.upper() for k in sorted(known))
-                )
-            values[name] = _parse(name, raw, var)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(values) - known
-        if unknown:
-            raise SettingsError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-        return cls(**values)
+        return declared_settings.from_env(cls, env, overrides)
 
     def redis_options(self) -> dict[str, Any]:
         """Connection pool options (sync or asyncio; ``shared.redis_connect`` adds the URL's):
@@ -174,7 +221,7 @@ class Settings:
         return {
             "socket_timeout": self.redis_socket_timeout_s,
             "socket_connect_timeout": self.redis_connect_timeout_s,
-            "health_check_interval": self.redis_health_check_s,
+            "health_check_interval": REDIS_HEALTH_CHECK_S,
             "max_connections": self.redis_max_connections,
         }
 
@@ -182,85 +229,9 @@ class Settings:
         """A copy with ``redis_url`` replaced when one is given (CLI ``--redis-url``)."""
         return self if not redis_url else replace(self, redis_url=redis_url)
 
-    def with_redis(
-        self,
-        *,
-        redis_url: str | None = None,
-        redis_mode: str | None = None,
-        sentinels: str | None = None,
-        sentinel_service: str | None = None,
-    ) -> Settings:
-        """A copy with the given connection settings replaced (the CLI's Redis flags); ``None``
-        keeps the current value. Validated again as a whole."""
-        given: dict[str, str | None] = {
-            "redis_url": redis_url,
-            "redis_mode": redis_mode,
-            "sentinels": sentinels,
-            "sentinel_service": sentinel_service,
-        }
-        changes: dict[str, Any] = {k: v for k, v in given.items() if v}
-        return replace(self, **changes) if changes else self
-
     def sentinel_addresses(self) -> list[tuple[str, int]]:
         """``sentinels`` as ``(host, port)`` pairs (validated in ``__post_init__``)."""
         return parse_sentinels(self.sentinels)
-
-
-# Variables read by other components (the worker's own settings); Settings must not reject them.
-_ENV_OWNED_ELSEWHERE = frozenset(
-    {
-        "model",
-        "model_name",
-        "device",
-        "dtype",
-        "max_num_seqs",
-        "max_batched_tokens",
-        "kv_blocks",
-        "kv_memory",
-        "block_size",
-        "max_model_len",
-        "model_cache",
-        "priorities",
-        "name",
-        "metrics_port",
-        "kv_pool",
-        "share_weight",
-        "threads",
-        "grace_s",
-        "num_workers",
-        "urgent_slots",
-        "batch_yields",
-        "steal_after_s",
-        "overflow_for",
-        "overflow_after_s",
-    }
-)
-# The gateway's settings (``TOKENFLEET_GATEWAY_*``, producer/gateway/settings.py).
-_ENV_PREFIXES_OWNED_ELSEWHERE = ("gateway_",)
-
-
-_STRING_SETTINGS = frozenset(
-    {
-        "redis_url",
-        "key_prefix",
-        "redis_mode",
-        "sentinels",
-        "sentinel_service",
-        "sentinel_username",
-        "sentinel_password",
-        "routing",
-    }
-)
-REDIS_MODES = ("standalone", "sentinel", "cluster")
-
-
-def _parse(name: str, raw: str, var: str) -> Any:
-    if name in _STRING_SETTINGS:
-        return raw
-    try:
-        return int(raw)
-    except ValueError:
-        raise SettingsError(f"{var} must be an integer, got {raw!r}") from None
 
 
 def validate_redis_url(url: str) -> str:

@@ -1,8 +1,10 @@
-"""A worker's own settings: CLI flags first, then ``TOKENFLEET_*`` environment variables.
+"""A worker's own settings, declared once: CLI flags first, then ``TOKENFLEET_*`` variables.
 
 Connection settings (``REDIS_URL``, ``TOKENFLEET_KEY_PREFIX``) live in
 :class:`tokenfleet.shared.settings.Settings`; this module holds what only a worker needs: the
 model, the engine's limits, which priorities it serves, its name, and the crash-safety timers.
+Each field's ``setting(...)`` is its one declaration (variable, flag, help); ``tokenfleet
+worker``'s flags and docs/configuration.md are generated from it.
 """
 
 from __future__ import annotations
@@ -11,67 +13,27 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet.shared import declared_settings
+from tokenfleet.shared.declared_settings import env_names, setting
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
 from tokenfleet.worker.pool.config import weight_milli
 
-# Environment variable -> (field name, parser name). Every name here is whitelisted in
-# tokenfleet.shared.settings._ENV_OWNED_ELSEWHERE so Settings.from_env does not reject it.
-ENV_VARS: dict[str, str] = {
-    "TOKENFLEET_MODEL": "model",
-    "TOKENFLEET_MODEL_NAME": "model_name",
-    "TOKENFLEET_DEVICE": "device",
-    "TOKENFLEET_DTYPE": "dtype",
-    "TOKENFLEET_MAX_NUM_SEQS": "max_num_seqs",
-    "TOKENFLEET_MAX_BATCHED_TOKENS": "max_batched_tokens",
-    "TOKENFLEET_KV_BLOCKS": "kv_blocks",
-    "TOKENFLEET_KV_MEMORY": "kv_memory",
-    "TOKENFLEET_BLOCK_SIZE": "block_size",
-    "TOKENFLEET_MAX_MODEL_LEN": "max_model_len",
-    "TOKENFLEET_PRIORITIES": "priorities",
-    "TOKENFLEET_NAME": "name",
-    "TOKENFLEET_METRICS_PORT": "metrics_port",
-    "TOKENFLEET_THREADS": "threads",
-    "TOKENFLEET_GRACE_S": "grace_s",
-    "TOKENFLEET_KV_POOL": "kv_pool",
-    "TOKENFLEET_SHARE_WEIGHT": "share_weight",
-    "TOKENFLEET_URGENT_SLOTS": "urgent_slots",
-    "TOKENFLEET_BATCH_YIELDS": "batch_yields",
-    "TOKENFLEET_STEAL_AFTER_S": "steal_after_s",
-    "TOKENFLEET_OVERFLOW_FOR": "overflow_for",
-    "TOKENFLEET_OVERFLOW_AFTER_S": "overflow_after_s",
-}
+# Fixed on purpose, not settings (nobody running a fleet has a reason to turn them):
+# how often a worker beats: 1 s keeps the failure detection within heartbeat_ttl_s's 10 s
+# default at one small write a second; a test shortens heartbeat_ttl_s, never this.
+HEARTBEAT_INTERVAL_S = 1.0
+# a waiting lower priority is read at least every this many pulls: the anti-starvation ratio
+# is part of the scheduling policy, not of a deployment.
+STARVATION_PULLS = 8
+# how long one blocking XREADGROUP waits in Redis before it is sent again; the loop never
+# waits on it (it sleeps on its own timers), so no value changes what a user sees.
+READ_BLOCK_MS = 1000
 
-_INT_FIELDS = frozenset(
-    {
-        "max_num_seqs",
-        "max_batched_tokens",
-        "kv_blocks",
-        "block_size",
-        "max_model_len",
-        "metrics_port",
-        "threads",
-        "urgent_slots",
-    }
-)
-_BOOL_FIELDS = frozenset({"batch_yields"})
-_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
-_FLOAT_FIELDS = frozenset(
-    {
-        "grace_s",
-        "heartbeat_interval_s",
-        "heartbeat_ttl_s",
-        "claim_interval_s",
-        "claim_idle_s",
-        "share_weight",
-        "steal_after_s",
-        "overflow_after_s",
-    }
-)
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -106,78 +68,193 @@ def default_worker_name() -> str:
 
 @dataclass(slots=True)
 class WorkerSettings:
-    """Everything a worker process needs besides the Redis connection.
+    """Everything a worker process needs besides the Redis connection; each field's declaration
+    says what it does.
 
-    Attributes:
-        model: local folder or hub id given to ``from_pretrained``.
-        model_name: served-model name: the queues read are ``P:q:<model_name>:<priority>``.
-        device, dtype: passed to the engine (None / "auto" = its defaults).
-        max_num_seqs, max_batched_tokens: engine limits per step.
-        kv_blocks / kv_memory_bytes: KV cache size (at most one; neither = engine default).
-        block_size: tokens per KV block.
-        max_model_len: prompt + output tokens per request at most (None: the model's context,
-            capped by the KV cache, with a warning at start when the cache caps it).
-        priorities: the levels this worker serves, most urgent first.
-        name: consumer name in every group and heartbeat key; unique in the fleet.
-        metrics_port: Prometheus endpoint port; None = no endpoint.
-        threads: ``torch.set_num_threads`` (None = torch's default).
-        grace_s: on SIGTERM, how long running requests may take before being handed back.
-        heartbeat_interval_s / heartbeat_ttl_s: how often the worker beats, and how long its
-            heartbeat lives without a new beat (a worker is dead once it lapses).
-        claim_interval_s: how often a worker looks for entries of dead workers.
-        claim_idle_s: an entry must have been idle this long before it can be claimed.
-        poison_limit: a request taken by more than this many workers ends ``worker_lost``.
-        starvation_pulls: a waiting lower priority is read at least every this many pulls.
-        block_ms: how long one blocking XREADGROUP waits in Redis before it is sent again (the
-            loop never waits on it: it checks for its reply between steps, or sleeps on it with
-            its own timers' timeout when idle).
-        kv_pool: shared KV pool to join (docs/kv-pools.md); None: the engine's whole cache.
-        share_weight: this worker's weight in the pool (0.001 to 100).
-        urgent_slots: how many more urgent requests a read may take beyond the free sequence
-            slots, each taking a running ``batch`` request's slot (preempted, recomputed mostly
-            from the prefix cache) — batch work may fill every slot, interactive work takes
-            them back (None: an eighth of ``max_num_seqs``, at least 1; 0: none). Only applies
-            to a worker serving ``batch`` and a more urgent level, with ``batch_yields``.
-        batch_yields: ``batch`` work sits out engine steps that prefill more urgent work, and
-            more urgent work arriving in Redis cuts a batch-only step short (docs/workers.md,
-            "Batch work yields"); False runs batch steps through like any other.
-        steal_after_s: routed work waiting this long in another worker's routed stream may be
-            stolen by this worker when it has room (docs/routing.md).
-        overflow_for: this worker is an overflow worker for that model (its ``model_name``):
-            it takes only that model's work that has waited ``overflow_after_s`` or more, from
-            the shared and routed streams alike, and is never a routing target.
-        overflow_after_s: the overflow threshold (seconds).
+    Invariants (checked at construction): a model is given; at most one of ``kv_blocks`` and
+    ``kv_memory_bytes``; counts are positive and timers >= 0; ``heartbeat_ttl_s`` is longer than
+    ``HEARTBEAT_INTERVAL_S``; ``priorities`` is sorted, most urgent first, and not empty;
+    ``overflow_for``, when set, is also ``model_name``.
     """
 
-    model: str
-    model_name: str = DEFAULT_MODEL
-    device: str | None = None
-    dtype: str = "auto"
-    max_num_seqs: int = 32
-    max_batched_tokens: int = 512
-    kv_blocks: int | None = None
-    kv_memory_bytes: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    priorities: tuple[Priority, ...] = PRIORITIES
-    name: str = field(default_factory=default_worker_name)
-    metrics_port: int | None = None
-    threads: int | None = None
-    grace_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 10.0
-    claim_interval_s: float = 2.0
-    claim_idle_s: float = 5.0
-    poison_limit: int = 3
-    starvation_pulls: int = 8
-    block_ms: int = 1000
-    kv_pool: str | None = None
-    share_weight: float = 1.0
-    urgent_slots: int | None = None
-    batch_yields: bool = True
-    steal_after_s: float = 0.5
-    overflow_for: str | None = None
-    overflow_after_s: float = 5.0
+    model: str = setting(
+        env="TOKENFLEET_MODEL",
+        flag="--model",
+        metavar="PATH|HUB_ID",
+        help="what to serve: a bundled name (smollm2), a .gguf file, a model folder, or a hub id "
+        "already in the local cache",
+    )
+    model_name: str = setting(
+        DEFAULT_MODEL,
+        env="TOKENFLEET_MODEL_NAME",
+        flag="--model-name",
+        help="served model name: the queues read are P:q:NAME:{critical,normal,batch}",
+    )
+    device: str | None = setting(
+        None,
+        env="TOKENFLEET_DEVICE",
+        flag="--device",
+        shown_default="cuda if available, else cpu",
+        help="torch device, e.g. cpu, cuda, cuda:1",
+    )
+    dtype: str = setting(
+        "auto",
+        env="TOKENFLEET_DTYPE",
+        flag="--dtype",
+        help="auto, float32, bfloat16 or float16; auto follows the model's dtype on CUDA "
+        "(bfloat16 becomes float16 where unsupported) and runs float32 on a CPU (16-bit CPU "
+        "matmuls are slower)",
+    )
+    max_num_seqs: int = setting(
+        32,
+        env="TOKENFLEET_MAX_NUM_SEQS",
+        flag="--max-num-seqs",
+        help="sequences (requests) running at once, per engine step",
+    )
+    max_batched_tokens: int = setting(
+        512,
+        env="TOKENFLEET_MAX_BATCHED_TOKENS",
+        flag="--max-batched-tokens",
+        help="tokens computed per engine step (chunked prefill)",
+    )
+    kv_blocks: int | None = setting(
+        None,
+        env="TOKENFLEET_KV_BLOCKS",
+        flag="--kv-blocks",
+        group="kv_size",
+        shown_default="the engine's",
+        help="KV cache size in blocks (give this or the KV memory, not both)",
+    )
+    kv_memory_bytes: int | None = setting(
+        None,
+        env="TOKENFLEET_KV_MEMORY",
+        flag="--kv-memory",
+        key="kv_memory",
+        group="kv_size",
+        parse=parse_memory,
+        syntax="memory: 512M, 4GiB, 1.5G or bytes",
+        shown_default="the engine's",
+        help="KV cache size in memory, e.g. 512M or 4GiB (binary units)",
+    )
+    block_size: int = setting(
+        16, env="TOKENFLEET_BLOCK_SIZE", flag="--block-size", help="tokens per KV block"
+    )
+    max_model_len: int | None = setting(
+        None,
+        env="TOKENFLEET_MAX_MODEL_LEN",
+        flag="--max-model-len",
+        shown_default="the model's context, capped by the KV cache (with a warning)",
+        help="prompt + output tokens per request at most",
+    )
+    priorities: tuple[Priority, ...] = setting(
+        PRIORITIES,
+        env="TOKENFLEET_PRIORITIES",
+        flag="--priorities",
+        parse=parse_priorities,
+        syntax="list: critical,normal,batch (any of them)",
+        shown_default="all three",
+        help="the levels this worker serves, e.g. critical,normal",
+    )
+    name: str = setting(
+        env="TOKENFLEET_NAME",
+        flag="--name",
+        default_factory=default_worker_name,
+        shown_default="HOST-PID",
+        help="worker name, unique in the fleet: its consumer name in every group and its "
+        "heartbeat key",
+    )
+    metrics_port: int | None = setting(
+        None,
+        env="TOKENFLEET_METRICS_PORT",
+        flag="--metrics-port",
+        help="serve Prometheus metrics on 0.0.0.0:PORT/metrics; none: no endpoint",
+    )
+    threads: int | None = setting(
+        None,
+        env="TOKENFLEET_THREADS",
+        flag="--threads",
+        shown_default="torch's",
+        help="torch CPU threads (torch.set_num_threads)",
+    )
+    grace_s: float = setting(
+        30.0,
+        env="TOKENFLEET_GRACE_S",
+        flag="--grace-s",
+        help="on SIGTERM, how long running requests may take before they are handed back (seconds)",
+    )
+    heartbeat_ttl_s: float = setting(
+        10.0,
+        flag="--heartbeat-ttl-s",
+        help="heartbeat lifetime: a worker whose heartbeat is this old is dead (seconds)",
+    )
+    claim_interval_s: float = setting(
+        2.0,
+        flag="--claim-interval-s",
+        help="how often a live worker looks for a dead worker's entries (seconds)",
+    )
+    claim_idle_s: float = setting(
+        5.0,
+        flag="--claim-idle-s",
+        help="a dead worker's entry must have been idle this long before it is claimed (seconds)",
+    )
+    poison_limit: int = setting(
+        3,
+        flag="--poison-limit",
+        help="workers a request may outlive before it ends worker_lost",
+    )
+    kv_pool: str | None = setting(
+        None,
+        env="TOKENFLEET_KV_POOL",
+        flag="--kv-pool",
+        help="shared KV pool to join (docs/kv_pools.md); none: the engine's whole cache",
+    )
+    share_weight: float = setting(
+        1.0,
+        env="TOKENFLEET_SHARE_WEIGHT",
+        flag="--share-weight",
+        help="this worker's weight in the KV pool (0.001 to 100)",
+    )
+    urgent_slots: int | None = setting(
+        None,
+        env="TOKENFLEET_URGENT_SLOTS",
+        flag="--urgent-slots",
+        shown_default="max-num-seqs/8, at least 1",
+        help="more urgent requests a read may take beyond the free sequence slots, each "
+        "preempting a running batch request (recomputed mostly from the prefix cache); 0: none. "
+        "Applies to a worker serving batch and a more urgent level, with batch yielding",
+    )
+    batch_yields: bool = setting(
+        True,
+        env="TOKENFLEET_BATCH_YIELDS",
+        flag="--no-batch-yield",
+        help="batch work sits out engine steps that prefill more urgent work, more urgent work "
+        "arriving in Redis cuts a batch-only step short, and urgent reads take slots from it; "
+        "off (the flag, or 0) runs batch work like any other",
+    )
+    steal_after_s: float = setting(
+        0.5,
+        env="TOKENFLEET_STEAL_AFTER_S",
+        flag="--steal-after-s",
+        help="routed work waiting this long in another worker's routed stream (or two of that "
+        "worker's longest recent steps, at most 10 times this) may be stolen by this worker "
+        "when it has room (seconds)",
+    )
+    overflow_for: str | None = setting(
+        None,
+        env="TOKENFLEET_OVERFLOW_FOR",
+        flag="--overflow-for",
+        metavar="MODEL",
+        help="serve MODEL as an overflow worker: take only its work that has waited "
+        "overflow-after-s or more, from the shared and routed streams alike; never a routing "
+        "target",
+    )
+    overflow_after_s: float = setting(
+        5.0,
+        env="TOKENFLEET_OVERFLOW_AFTER_S",
+        flag="--overflow-after-s",
+        help="the overflow threshold (seconds)",
+    )
+    log_level: str = setting("INFO", flag="--log-level", help="logging level (logs go to stderr)")
 
     def __post_init__(self) -> None:
         if self.overflow_for is not None:
@@ -206,19 +283,20 @@ class WorkerSettings:
         if not self.priorities:
             raise SettingsError("a worker must serve at least one priority")
         self.priorities = tuple(sorted(set(self.priorities)))
-        if self.heartbeat_ttl_s <= self.heartbeat_interval_s:
-            raise SettingsError("heartbeat TTL must be longer than the heartbeat interval")
-        for name in ("grace_s", "claim_interval_s", "claim_idle_s", "heartbeat_interval_s"):
+        if self.heartbeat_ttl_s <= HEARTBEAT_INTERVAL_S:
+            raise SettingsError(
+                "heartbeat TTL must be longer than the heartbeat interval "
+                f"({HEARTBEAT_INTERVAL_S} s)"
+            )
+        for name in ("grace_s", "claim_interval_s", "claim_idle_s"):
             if getattr(self, name) < 0:
                 raise SettingsError(f"{name} must be >= 0")
-        _check_positive("starvation_pulls", self.starvation_pulls)
         try:
             if self.kv_pool is not None:
                 check_name("pool", self.kv_pool)
             weight_milli(self.share_weight)
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        _check_positive("block_ms", self.block_ms)
         if self.urgent_slots is not None and not 0 <= self.urgent_slots <= self.max_num_seqs:
             raise SettingsError(
                 f"urgent_slots must be in 0..{self.max_num_seqs} (max_num_seqs), "
@@ -239,27 +317,14 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
-        """Build from ``TOKENFLEET_*`` variables; non-None ``overrides`` (CLI flags) win."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-        for var, name in ENV_VARS.items():
-            raw = env.get(var)
-            if raw is None or raw == "":
-                continue
-            values[name] = _parse(name, raw, var)
-        flags = {k: v for k, v in overrides.items() if v is not None}
-        if {"kv_blocks", "kv_memory"} & flags.keys():  # one KV size given two ways: the flag's
-            values.pop("kv_blocks", None)
-            values.pop("kv_memory", None)
-        values.update(flags)
-        if "kv_memory" in values:
-            mem = values.pop("kv_memory")
-            values["kv_memory_bytes"] = mem if isinstance(mem, int) else parse_memory(mem)
-        if isinstance(values.get("priorities"), str):
-            values["priorities"] = parse_priorities(values["priorities"])
-        if "model" not in values:
-            raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
-        return cls(**values)
+        """Build from ``TOKENFLEET_*`` variables (default: ``os.environ``); non-None
+        ``overrides`` (CLI flags, by key: ``kv_memory`` for ``kv_memory_bytes``) win. A KV size
+        flag replaces the environment's other KV size (one size given two ways: the flag's).
+
+        Raises:
+            SettingsError: no model, a value that does not parse, or one the worker refuses.
+        """
+        return declared_settings.from_env(cls, env, overrides)
 
     def engine_overrides(self) -> dict[str, Any]:
         """Keyword arguments for ``EngineConfig`` (only what was set)."""
@@ -281,21 +346,10 @@ class WorkerSettings:
         return out
 
 
+# Environment variable -> setting key, for everything above that a variable sets.
+ENV_VARS: dict[str, str] = env_names(WorkerSettings)
+
+
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise SettingsError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _parse(name: str, raw: str, var: str) -> Any:
-    if name in _BOOL_FIELDS:
-        if raw.strip().lower() not in _TRUE | _FALSE:
-            raise SettingsError(f"{var} must be 1/0, true/false, yes/no or on/off, got {raw!r}")
-        return raw.strip().lower() in _TRUE
-    try:
-        if name in _INT_FIELDS:
-            return int(raw)
-        if name in _FLOAT_FIELDS:
-            return float(raw)
-    except ValueError:
-        raise SettingsError(f"{var} must be a number, got {raw!r}") from None
-    return raw

@@ -30,7 +30,7 @@ from tokenfleet.producer.gateway.identity import make_request_id
 from tokenfleet.producer.gateway.metrics import GatewayMetrics
 from tokenfleet.producer.gateway.openai_api import Submission
 from tokenfleet.producer.gateway.responses import Framing, used_tokens
-from tokenfleet.producer.gateway.settings import GatewaySettings
+from tokenfleet.producer.gateway.settings import MODELS_REFRESH_S, GatewaySettings
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
 from tokenfleet.shared.keys import Keys
@@ -106,10 +106,10 @@ class Gateway:
 
     async def models(self) -> dict[str, Any]:
         """The fleet's models by name (``ModelInfo``): what :meth:`refresh_models` last read.
-        Read inline only when that is older than twice ``models_ttl_s`` (the refresher is
+        Read inline only when that is older than twice ``MODELS_REFRESH_S`` (the refresher is
         behind, or Redis was unreachable), so a request rarely waits on it."""
         at, models = self._models
-        if time.monotonic() - at > 2 * self.settings.models_ttl_s:
+        if time.monotonic() - at > 2 * MODELS_REFRESH_S:
             models = await self.refresh_models()
         return models
 
@@ -120,14 +120,14 @@ class Gateway:
         return models
 
     async def keep_models_fresh(self) -> None:
-        """Re-read the models every ``models_ttl_s`` (the app's lifespan runs it as a task)."""
+        """Re-read the models every ``MODELS_REFRESH_S`` (the app's lifespan runs it as a task)."""
         while True:
             cancel_checkpoint()
             try:
                 await self.refresh_models()
             except redis.RedisError as exc:
                 raise_if_cancelling(exc)
-            await asyncio.sleep(self.settings.models_ttl_s)
+            await asyncio.sleep(MODELS_REFRESH_S)
 
     async def check_model(self, model: str) -> None:
         """404 for a model nobody serves or declared, 503 for one with no live worker now."""

@@ -1,63 +1,112 @@
-"""The gateway's own settings: ``tokenfleet serve`` flags first, then ``TOKENFLEET_GATEWAY_*``.
+"""The gateway's own settings, declared once: ``tokenfleet serve`` flags first, then
+``TOKENFLEET_GATEWAY_*`` variables; and the settings of a batch runner in a process of its own.
 
 Connection settings (``REDIS_URL``, ``TOKENFLEET_KEY_PREFIX``, Redis timeouts) are the shared
-``Settings``; what is here only shapes HTTP.
+``Settings``; what is here only shapes HTTP and the Batch API. ``serve``'s flags and
+docs/configuration.md are generated from these declarations.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet.shared import declared_settings
+from tokenfleet.shared.declared_settings import setting
 from tokenfleet.shared.errors import SettingsError
 
-ENV_PREFIX = "TOKENFLEET_GATEWAY_"
 DISCONNECT_MODES = ("cancel", "continue")
+AUTH_MODES = ("off", "required")
+# How often each gateway process re-reads the fleet's model list (live workers, declarations) in
+# the background. A constant: requests never wait on it (they check models against the copy),
+# and one small read a second per process is cheap; nothing a deployment would tune.
+MODELS_REFRESH_S = 1.0
+DEFAULT_BATCH_WINDOW = 64  # (the gateway's and a lone batch runner's defaults are one)
+DEFAULT_BATCH_LEASE_MS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    """How the gateway listens and what it accepts.
+    """How the gateway listens and what it accepts; each field's declaration says what it does.
 
-    Attributes:
-        host, port: where uvicorn listens.
-        auth: ``off`` (anyone who reaches the port may submit; for local use) or ``required``
-            (every ``/v1`` call needs an API key from ``tokenfleet keys create``).
-        max_body_bytes: a request body larger than this is answered 413 before it is parsed.
-        max_file_bytes: the same for a file upload (``POST /v1/files``: a batch's JSONL).
-        on_disconnect: what a client's disconnect does to its request when it sends no
-            ``X-On-Disconnect`` header: ``cancel`` (free the KV at once) or ``continue``.
-        submit_wait_s: how long a submit may wait for room in a queue whose policy is
-            ``block`` before it is answered 429.
-        models_ttl_s: how often each process re-reads the fleet's model list (live workers,
-            declarations) in the background; requests check models against that copy.
-        default_max_tokens: ``max_tokens`` when a request gives none.
-        batch_window: the most lines of one batch this process keeps in the fleet at once.
-        batch_lease_ms: how long a batch this process drives stays its own without a renewal
-            (another gateway takes a batch over this long after its driver died).
-        keepalive_s: seconds between SSE keep-alive comments on every stream (see
-            :mod:`tokenfleet.producer.gateway.keepalive`). 15 s keeps a stream well inside the
-            common 60 s idle timeouts of proxies and load balancers (nginx, AWS ALB) at the cost
-            of 14 bytes per interval.
+    Invariants (checked at construction): ``auth`` and ``on_disconnect`` are known modes; the
+    port is a TCP port; sizes, counts and the lease are positive, the submit wait >= 0, the
+    keep-alive interval in (0, 3600] s.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    auth: str = "off"
-    max_body_bytes: int = 2_097_152
-    max_file_bytes: int = 104_857_600
-    on_disconnect: str = "cancel"
-    submit_wait_s: float = 10.0
-    models_ttl_s: float = 1.0
-    default_max_tokens: int = 256
-    batch_window: int = 64
-    batch_lease_ms: int = 10_000
-    keepalive_s: float = 15.0
+    host: str = setting(
+        "127.0.0.1", env="TOKENFLEET_GATEWAY_HOST", flag="--host", help="where to listen"
+    )
+    port: int = setting(
+        8000, env="TOKENFLEET_GATEWAY_PORT", flag="--port", help="the TCP port to listen on"
+    )
+    auth: str = setting(
+        "off",
+        env="TOKENFLEET_GATEWAY_AUTH",
+        flag="--auth",
+        choices=AUTH_MODES,
+        help="off: anyone who reaches the port may submit (for local use); required: every /v1 "
+        "call needs an API key from tokenfleet keys create",
+    )
+    on_disconnect: str = setting(
+        "cancel",
+        env="TOKENFLEET_GATEWAY_ON_DISCONNECT",
+        flag="--on-disconnect",
+        choices=DISCONNECT_MODES,
+        help="what a client's disconnect does to its request when it sends no X-On-Disconnect "
+        "header: cancel (free the KV at once) or continue",
+    )
+    keepalive_s: float = setting(
+        15.0,
+        env="TOKENFLEET_GATEWAY_KEEPALIVE_S",
+        flag="--keepalive-s",
+        help="seconds between SSE keep-alive comments on every stream "
+        "(tokenfleet.producer.gateway.keepalive): 15 s keeps a stream well inside the common 60 s "
+        "idle timeouts of proxies and load balancers (nginx, AWS ALB) at 14 bytes an interval",
+    )
+    max_body_bytes: int = setting(
+        2_097_152,
+        env="TOKENFLEET_GATEWAY_MAX_BODY_BYTES",
+        help="a request body larger than this is answered 413 before it is parsed",
+    )
+    max_file_bytes: int = setting(
+        104_857_600,
+        env="TOKENFLEET_GATEWAY_MAX_FILE_BYTES",
+        help="the same for a file upload (POST /v1/files: a batch's JSONL)",
+    )
+    submit_wait_s: float = setting(
+        10.0,
+        env="TOKENFLEET_GATEWAY_SUBMIT_WAIT_S",
+        help="how long a submit may wait for room in a queue whose policy is block before it is "
+        "answered 429 (seconds)",
+    )
+    default_max_tokens: int = setting(
+        256,
+        env="TOKENFLEET_GATEWAY_DEFAULT_MAX_TOKENS",
+        help="chat max_tokens when a request gives none (completions default to 16, as OpenAI's)",
+    )
+    batch_window: int = setting(
+        DEFAULT_BATCH_WINDOW,
+        env="TOKENFLEET_GATEWAY_BATCH_WINDOW",
+        help="the most lines of one batch this process keeps in the fleet at once",
+    )
+    batch_lease_ms: int = setting(
+        DEFAULT_BATCH_LEASE_MS,
+        env="TOKENFLEET_GATEWAY_BATCH_LEASE_MS",
+        help="how long a batch this process drives stays its own without a renewal: another "
+        "gateway takes a batch over this long after its driver died (milliseconds)",
+    )
+    processes: int = setting(
+        1,
+        flag="--processes",
+        help="uvicorn worker processes on the one port (each builds its own app from the "
+        "environment)",
+    )
+    log_level: str = setting("info", flag="--log-level", help="uvicorn's log level")
 
     def __post_init__(self) -> None:
-        if self.auth not in ("off", "required"):
+        if self.auth not in AUTH_MODES:
             raise SettingsError(f"gateway auth must be 'off' or 'required', got {self.auth!r}")
         if self.on_disconnect not in DISCONNECT_MODES:
             raise SettingsError(
@@ -76,9 +125,8 @@ class GatewaySettings:
                 raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 < self.keepalive_s <= 3600:  # 0 would make sse-starlette spin
             raise SettingsError(f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
-        for name in ("submit_wait_s", "models_ttl_s"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.submit_wait_s < 0:
+            raise SettingsError(f"submit_wait_s must be >= 0, got {self.submit_wait_s}")
 
     @property
     def auth_required(self) -> bool:
@@ -87,33 +135,30 @@ class GatewaySettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GatewaySettings:
-        """``TOKENFLEET_GATEWAY_<FIELD>`` variables, then ``overrides`` (CLI flags; None skips).
+        """``TOKENFLEET_GATEWAY_<FIELD>`` variables (default: ``os.environ``), then
+        ``overrides`` (CLI flags; None skips one).
 
         Raises:
-            SettingsError: an unknown ``TOKENFLEET_GATEWAY_`` variable or a value that does not
-                parse.
+            SettingsError: an unknown ``TOKENFLEET_`` variable or a value that does not parse.
         """
-        env = os.environ if env is None else env
-        types = {f.name: f.type for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for var, raw in env.items():
-            if not var.startswith(ENV_PREFIX):
-                continue
-            name = var[len(ENV_PREFIX) :].lower()
-            if name not in types:
-                known = ", ".join(ENV_PREFIX + k.upper() for k in sorted(types))
-                raise SettingsError(f"unknown setting {var}; known: {known}")
-            values[name] = _parse(var, raw, str(types[name]))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return declared_settings.from_env(cls, env, overrides)
 
 
-def _parse(var: str, raw: str, type_name: str) -> Any:
-    try:
-        if type_name == "int":
-            return int(raw)
-        if type_name == "float":
-            return float(raw)
-    except ValueError:
-        raise SettingsError(f"{var} must be a {type_name}, got {raw!r}") from None
-    return raw
+@dataclass(frozen=True, slots=True)
+class BatchRunnerSettings:
+    """A batch runner in a process of its own (``python -m
+    tokenfleet.producer.gateway.batches.runner``); its connection is the shared ``Settings``.
+
+    Invariant: both values are positive (``BatchRunner`` checks them as it starts).
+    """
+
+    window: int = setting(
+        DEFAULT_BATCH_WINDOW,
+        flag="--window",
+        help="the most lines of one batch this runner keeps in the fleet at once",
+    )
+    lease_ms: int = setting(
+        DEFAULT_BATCH_LEASE_MS,
+        flag="--lease-ms",
+        help="how long a batch this runner drives stays its own without a renewal (milliseconds)",
+    )

@@ -147,7 +147,7 @@ def test_settings_from_env() -> None:
     assert (s.port, s.auth_required, s.host) == (9001, True, "0.0.0.0")
     with pytest.raises(SettingsError, match="TOKENFLEET_GATEWAY_PORTT"):
         GatewaySettings.from_env({"TOKENFLEET_GATEWAY_PORTT": "1"})
-    with pytest.raises(SettingsError, match="must be a int"):
+    with pytest.raises(SettingsError, match="TOKENFLEET_GATEWAY_PORT must be an integer"):
         GatewaySettings.from_env({"TOKENFLEET_GATEWAY_PORT": "x"})
     with pytest.raises(SettingsError):
         GatewaySettings(auth="maybe")

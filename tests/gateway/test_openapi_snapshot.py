@@ -16,7 +16,7 @@ from tokenfleet.shared.settings import Settings
 
 SNAPSHOT = Path(__file__).with_name("openapi.json")
 REGENERATE = (
-    ".venv/bin/python -c \"import json; from tokenfleet.producer.gateway.app import create_app; "
+    '.venv/bin/python -c "import json; from tokenfleet.producer.gateway.app import create_app; '
     "from tokenfleet.producer.gateway.settings import GatewaySettings; "
     "from tokenfleet.shared.settings import Settings; "
     "print(json.dumps(create_app(Settings(), GatewaySettings()).openapi(), indent=1, "

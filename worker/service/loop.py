@@ -2,7 +2,7 @@
 
 One iteration::
 
-    heartbeat (every heartbeat_interval_s), claim of dead workers' entries (every
+    heartbeat (every HEARTBEAT_INTERVAL_S), claim of dead workers' entries (every
     claim_interval_s), steal of aged routed work (routing_wiring); poll the intake within what
     the engine can admit now and feed the engine what it read and started (waiting on Redis
     only when the engine is idle); engine.step();
@@ -77,7 +77,12 @@ from tokenfleet.worker.service.outbox import Outbox
 from tokenfleet.worker.service.routing_wiring import wire_routing
 from tokenfleet.worker.service.run_table import RunTable
 from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailures
-from tokenfleet.worker.worker_settings import WorkerSettings
+from tokenfleet.worker.worker_settings import (
+    HEARTBEAT_INTERVAL_S,
+    READ_BLOCK_MS,
+    STARVATION_PULLS,
+    WorkerSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +118,7 @@ class WorkerService:
             priorities=wsettings.priorities,
             worker_name=name,
             poison_limit=wsettings.poison_limit,
-            starvation_pulls=wsettings.starvation_pulls,
+            starvation_pulls=STARVATION_PULLS,
         )
         self.table = RunTable()
         self.adapter = EngineAdapter(
@@ -131,7 +136,7 @@ class WorkerService:
         )
         self.feed = Feeder(
             self.intake,
-            IntakeReader(self.intake, block_ms=wsettings.block_ms),
+            IntakeReader(self.intake, block_ms=READ_BLOCK_MS),
             Claimer(self.client, self.intake.streams, claim_idle_s=wsettings.claim_idle_s),
             self.table,
             self.adapter,
@@ -218,7 +223,7 @@ class WorkerService:
             ",".join(p.label for p in self.ws.priorities),
         )
         now = time.monotonic()
-        next_beat = now + self.ws.heartbeat_interval_s
+        next_beat = now + HEARTBEAT_INTERVAL_S
         next_claim = now + (0.0 if inherited else random.uniform(0, self.ws.claim_interval_s))
         grace_deadline: float | None = None
         try:
@@ -234,7 +239,7 @@ class WorkerService:
                         self.feed.stop()  # started jobs run in the grace period
                     if now >= next_beat:
                         self._beat()
-                        next_beat = now + self.ws.heartbeat_interval_s
+                        next_beat = now + HEARTBEAT_INTERVAL_S
                     if grace_deadline is None:
                         if now >= next_claim:
                             next_claim = now + self.feed.claim(self.ws.claim_interval_s)

@@ -28,6 +28,11 @@ from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.gateway.batches.driver import BatchDriver, DriveConfig
 from tokenfleet.producer.gateway.batches.scripts import LEASE
 from tokenfleet.producer.gateway.batches.store import BatchStore
+from tokenfleet.producer.gateway.settings import (
+    DEFAULT_BATCH_LEASE_MS,
+    DEFAULT_BATCH_WINDOW,
+    BatchRunnerSettings,
+)
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.shared.keys import Keys
@@ -35,10 +40,11 @@ from tokenfleet.shared.record import as_str
 from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.scripts.registry import acall
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.settings_flags import add_flags, flag_values
 
 log = logging.getLogger(__name__)
-DEFAULT_LEASE_MS = 10_000
-DEFAULT_WINDOW = 64
+DEFAULT_LEASE_MS = DEFAULT_BATCH_LEASE_MS
+DEFAULT_WINDOW = DEFAULT_BATCH_WINDOW
 _MAX_PAUSE_S = 30.0  # the longest pause before a failing batch is driven again
 _FAILURE_RESET_S = 30.0  # a driver that ran this long before failing starts the count afresh
 
@@ -145,12 +151,12 @@ class BatchRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _main(args: argparse.Namespace) -> None:
+async def _main(own: BatchRunnerSettings) -> None:
     settings = Settings.from_env()
     async with AsyncClient.from_url(settings=settings) as client:
         r = async_redis_client(settings)
         try:
-            runner = BatchRunner(client, r, settings, window=args.window, lease_ms=args.lease_ms)
+            runner = BatchRunner(client, r, settings, window=own.window, lease_ms=own.lease_ms)
             await runner.run()
         finally:
             await r.aclose()
@@ -159,12 +165,11 @@ async def _main(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     """``python -m tokenfleet.producer.gateway.batches.runner [--window N] [--lease-ms MS]``."""
     parser = argparse.ArgumentParser(description="Drive the fleet's Batch API batches.")
-    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    parser.add_argument("--lease-ms", type=int, default=DEFAULT_LEASE_MS)
-    args = parser.parse_args(argv)
+    add_flags(parser, BatchRunnerSettings)
+    own = BatchRunnerSettings(**flag_values(parser.parse_args(argv), BatchRunnerSettings))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(args))
+        asyncio.run(_main(own))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ a shared Redis is not disturbed.
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import sys
 import threading
@@ -21,6 +20,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from tokenfleet.shared.declared_settings import env_value
+from tokenfleet.shared.keys import DEFAULT_MODEL
+from tokenfleet.worker.worker_settings import WorkerSettings
 
 PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",
@@ -76,7 +79,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--model-name",
-        default=os.environ.get("TOKENFLEET_MODEL_NAME") or "default",
+        default=env_value(WorkerSettings, "model_name") or DEFAULT_MODEL,
         help="served model name: the workers serve it and the requests ask for it "
         "($TOKENFLEET_MODEL_NAME, else default)",
     )
