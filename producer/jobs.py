@@ -15,7 +15,6 @@ and runs ``rq worker -S json tokenfleet``. Arguments and the return value are JS
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
@@ -24,6 +23,7 @@ import redis
 from rq import get_current_job
 
 from tokenfleet.producer.client import Client
+from tokenfleet.shared.declared_settings import env_value
 from tokenfleet.shared.errors import InvalidRequest, Overloaded
 from tokenfleet.shared.settings import Settings
 
@@ -34,7 +34,7 @@ def _client(redis_url: str | None) -> Client:
     """tokenfleet's Redis: ``redis_url``, else ``REDIS_URL`` (or the sentinel-mode settings),
     else the rq worker's Redis."""
     settings = Settings.from_env()
-    if redis_url or os.environ.get("REDIS_URL") or settings.redis_mode != "standalone":
+    if redis_url or env_value(Settings, "redis_url") or settings.redis_mode != "standalone":
         return Client.from_url(redis_url or settings.redis_url, settings=settings)
     job = get_current_job()
     if job is not None and isinstance(job.connection, redis.Redis):

@@ -18,7 +18,7 @@ from tokenfleet.shared.declared_settings import by_key, env_of
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.settings_flags import add_flags, flag_values
 
-CONNECTION_TITLE = "Redis connection (every flag defaults to its environment variable)"
+CONNECTION_TITLE = "Redis connection (a flag wins over its variable)"
 
 
 def add_redis_flags(parser: Any, *, exclude: Iterable[str] = ()) -> None:

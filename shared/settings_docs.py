@@ -50,7 +50,15 @@ Queue bounds and overflow policies are not settings: they are stored in Redis
 `tokenfleet COMMAND --help`.
 """
 
-FOOTER = """
+FOOTER = f"""
+## Adding a setting
+
+Declare it as a field of its process kind's settings class (the classes are listed in
+`shared/settings_catalog.py`): `name: int = setting(default, env="TOKENFLEET_...", flag="--...",
+help="...")`; check what the value may be in the class's `__post_init__`. The variable is read, the
+flag appears on the command and the unknown-variable check knows the name with no other change;
+then run `{COMMAND}` to regenerate this page.
+
 ## Fixed on purpose
 
 These are constants, not settings, because no deployment has a reason to turn them:

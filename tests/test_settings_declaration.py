@@ -35,7 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CLASSES = [kind.load() for kind in PROCESS_KINDS]
 # Files whose TOKENFLEET_* names must all be declared (tests spell wrong names on purpose).
 NAMED_IN = [
-    *(p for d in ("shared", "producer", "worker", "examples") for p in (ROOT / d).rglob("*.py")),
+    *(
+        p
+        for d in ("shared", "producer", "worker", "examples", "benchmarks")
+        for p in (ROOT / d).rglob("*.py")
+    ),
     *(ROOT / "deploy").rglob("*.yaml"),
     *(ROOT / "docs").rglob("*.md"),
     ROOT / "compose.yaml",

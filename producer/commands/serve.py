@@ -26,7 +26,7 @@ def register(subparsers: Any) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models and "
         "/v1/requests/{id}[/events|/cancel] over the fleet's Redis (docs at /docs).",
     )
-    add_flags(p, GatewaySettings, title="gateway (flags generated from GatewaySettings)")
+    add_flags(p, GatewaySettings, title="gateway (a flag wins over its variable)")
     add_redis_flags(p)
     p.set_defaults(func=run)
 

@@ -28,7 +28,7 @@ def register(subparsers: Any) -> None:
         "run them through the continuous-batching engine and stream tokens back over Redis. "
         "Each flag defaults to its TOKENFLEET_* environment variable.",
     )
-    add_flags(p, WorkerSettings, title="worker (flags generated from WorkerSettings)")
+    add_flags(p, WorkerSettings, title="worker (a flag wins over its variable)")
     add_redis_flags(p)
     p.set_defaults(func=func)
 
