@@ -58,6 +58,7 @@ class Setting:
         shown_default: the default as the docs and ``--help`` say it, where the value is computed
             (``HOST-PID``) or None means something (``the engine's``).
         syntax: the value's syntax for the docs, where ``parse`` defines one.
+        see: a docs page that says more, as (title, "page.md#anchor"); the docs link it.
     """
 
     help: str
@@ -70,6 +71,7 @@ class Setting:
     group: str | None = None
     shown_default: str | None = None
     syntax: str | None = None
+    see: tuple[str, str] | None = None
 
 
 def setting(
@@ -85,6 +87,7 @@ def setting(
     group: str | None = None,
     shown_default: str | None = None,
     syntax: str | None = None,
+    see: tuple[str, str] | None = None,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
     """A dataclass field declared as a setting (``x: int = setting(3, help=..., env=...)``).
@@ -103,6 +106,7 @@ def setting(
         group=group,
         shown_default=shown_default,
         syntax=syntax,
+        see=see,
     )
     metadata = {_METADATA_KEY: spec}
     if default_factory is not None:

@@ -74,6 +74,7 @@ class Settings:
         help="a Redis reply later than this (seconds) counts as a lost connection: the caller "
         "reconnects and retries (see TOKENFLEET_REDIS_RETRY_S); longer than any command "
         "tokenfleet sends (blocking reads wait 1 s), short enough to notice a stalled server",
+        see=("Redis outages", "redis-modes.md#redis-outages"),
     )
     redis_connect_timeout_s: int = setting(
         5,
@@ -86,6 +87,7 @@ class Settings:
         help="how long a process rides out a Redis outage (restarting, stalled or unreachable) "
         "before it gives up: a handle raises RedisUnavailable, a worker exits with status 5; "
         "0 keeps trying forever (seconds)",
+        see=("Redis outages", "redis-modes.md#redis-outages"),
     )
     redis_max_connections: int = setting(
         2000,
@@ -102,6 +104,7 @@ class Settings:
         help="how clients reach Redis: standalone (the server REDIS_URL names), sentinel (the "
         "primary the sentinels name for the service) or cluster (the primaries owning the "
         "fleet's hash slots: one per model's lane, one for the fleet)",
+        see=("Redis modes", "redis-modes.md"),
     )
     sentinels: str = setting(
         "",
@@ -133,6 +136,7 @@ class Settings:
         env="TOKENFLEET_SENTINEL_TLS",
         help="reach the sentinels themselves over TLS, with the ssl_* options of REDIS_URL's "
         "query (its CA, client certificate, checks); off: plain TCP",
+        see=("Redis modes", "redis-modes.md"),
     )
     redis_wait_replicas: int = setting(
         0,
@@ -140,6 +144,7 @@ class Settings:
         help="N > 0: every round trip of a worker's pipelines (reads, starts, token and finish "
         "publishes), and a producer's submits and cancels, must be confirmed by N replicas "
         "(WAIT) or it counts as a lost connection and is sent again after reconnecting",
+        see=("What a failover may lose", "redis-modes.md#what-a-failover-may-lose"),
     )
     redis_wait_ms: int = setting(
         500,
@@ -154,6 +159,7 @@ class Settings:
         "prefix, or its session's worker; session: by session only (nothing tokenized: a "
         "cheaper submit); off: every request goes to its queue's shared stream. A worker with "
         "off publishes nothing and is never a routing target (it still steals)",
+        see=("Routing", "routing.md"),
     )
     session_ttl_s: int = setting(
         600,

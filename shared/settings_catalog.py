@@ -17,10 +17,12 @@ from tokenfleet.shared.declared_settings import env_names
 
 @dataclass(frozen=True, slots=True)
 class ProcessKind:
-    """One process kind's settings: a title and who reads them (for the docs), and the class."""
+    """One process kind's settings: for the docs a title, its anchor and who reads them (one
+    paragraph of Markdown); and the class."""
 
     title: str
-    readers: str  # who reads them, one line of Markdown
+    anchor: str  # the docs section's anchor (other pages link to it)
+    readers: str
     path: str  # "module:Class"
 
     def load(self) -> type:
@@ -34,36 +36,47 @@ class ProcessKind:
 
 PROCESS_KINDS: tuple[ProcessKind, ...] = (
     ProcessKind(
-        "Every process: Redis connection and protocol",
-        "every command, the worker, the gateway, the batch runner, the cron process and the "
-        "client library (`Settings.from_env()`); the flags are on every command that talks to "
-        "Redis",
+        "Every process",
+        "every-process",
+        "Read by producers (`Client`, `AsyncClient`, the `tokenfleet` commands), gateways, "
+        "workers, batch runners and the cron process: the Redis connection and the protocol. "
+        "The flags are on every command that talks to Redis. `TOKENFLEET_ROUTING` and "
+        "`TOKENFLEET_SESSION_TTL_S` are read by producers (how they route) and workers (whether "
+        "they publish their prefixes and take routed work): [Routing](routing.md).",
         "tokenfleet.shared.settings:Settings",
     ),
     ProcessKind(
-        "Worker (`tokenfleet worker`)",
-        "`tokenfleet worker`",
+        "Worker",
+        "worker",
+        "Read by `tokenfleet worker` (compose and Kubernetes set the variables). A KV size given "
+        "as a flag (`--kv-blocks` or `--kv-memory`) replaces either one from the environment.",
         "tokenfleet.worker.worker_settings:WorkerSettings",
     ),
     ProcessKind(
         "Model cache",
-        "`tokenfleet worker`, `tokenfleet models` and the demo, where a `.gguf` file is converted "
-        "once into a folder",
+        "model-cache",
+        "Read by `tokenfleet worker`, `tokenfleet models` and the demo, where a `.gguf` file is "
+        "converted once into a Hugging Face folder ([Models](models.md)).",
         "tokenfleet.worker.models.gguf_cache:ModelCacheSettings",
     ),
     ProcessKind(
-        "Gateway (`tokenfleet serve`)",
-        "`tokenfleet serve` (and each of its `--processes`)",
+        "Gateway",
+        "gateway",
+        "Read by `tokenfleet serve` and each of its `--processes`.",
         "tokenfleet.producer.gateway.settings:GatewaySettings",
     ),
     ProcessKind(
-        "Batch runner (`python -m tokenfleet.producer.gateway.batches.runner`)",
-        "a batch runner in a process of its own (every gateway also drives batches)",
+        "Batch runner",
+        "batch-runner",
+        "Read by `python -m tokenfleet.producer.gateway.batches.runner`, a batch runner in a "
+        "process of its own (every gateway also drives batches: [Batches](batches.md)).",
         "tokenfleet.producer.gateway.settings:BatchRunnerSettings",
     ),
     ProcessKind(
-        "Cron (`python -m tokenfleet.producer.cron`)",
-        "the cron process that enqueues rq jobs (its Redis-mode flags are the connection's)",
+        "Cron",
+        "cron",
+        "Read by `python -m tokenfleet.producer.cron`, which enqueues rq jobs on a schedule; its "
+        "Redis mode, sentinels and timeouts are the connection's above.",
         "tokenfleet.producer.cron_settings:CronSettings",
     ),
 )

@@ -46,8 +46,10 @@ flags, the refusal of unknown variables, and this page.
   variable or flag.
 
 Queue bounds and overflow policies are not settings: they are stored in Redis
-(`tokenfleet queues`). The arguments of a command (a prompt, a request id, ...) are in
-`tokenfleet COMMAND --help`.
+(`tokenfleet queues`, `Client.set_queue_config`;
+[Queues](client.md#queues-bounds-and-overflow-policies)). The arguments of a command (a prompt, a
+request id, ...) are in `tokenfleet COMMAND --help`; the settings classes themselves are in the
+[Settings API](reference/settings.md).
 """
 
 FOOTER = f"""
@@ -88,8 +90,10 @@ def _row(d: Declared) -> str:
     default = shown_default(d)
     if d.spec.shown_default is None and d.has_default and default != "none":
         default = f"`{default}`"
-    cells = (env, flags, _type(d), default, d.spec.help)
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    cells = [_cell(c) for c in (env, flags, _type(d), default, d.spec.help)]
+    if d.spec.see:
+        cells[-1] += f" ([{d.spec.see[0]}]({d.spec.see[1]}))"
+    return "| " + " | ".join(cells) + " |"
 
 
 def render() -> str:
@@ -98,7 +102,7 @@ def render() -> str:
     for kind in PROCESS_KINDS:
         rows = [_row(d) for d in declared(kind.load()) if d.spec.env or d.spec.flags]
         parts.append(
-            f"\n## {kind.title}\n\nRead by {kind.readers}.\n\n"
+            f"\n## {kind.title} {{#{kind.anchor}}}\n\n{kind.readers}\n\n"
             "| variable | flag | type | default | meaning |\n|---|---|---|---|---|\n"
             + "\n".join(rows)
             + "\n"

@@ -83,6 +83,7 @@ class WorkerSettings:
         metavar="PATH|HUB_ID",
         help="what to serve: a bundled name (smollm2), a .gguf file, a model folder, or a hub id "
         "already in the local cache",
+        see=("Models", "models.md"),
     )
     model_name: str = setting(
         DEFAULT_MODEL,
@@ -186,6 +187,7 @@ class WorkerSettings:
         10.0,
         flag="--heartbeat-ttl-s",
         help="heartbeat lifetime: a worker whose heartbeat is this old is dead (seconds)",
+        see=("Crash safety", "workers.md#crash-safety"),
     )
     claim_interval_s: float = setting(
         2.0,
@@ -206,7 +208,8 @@ class WorkerSettings:
         None,
         env="TOKENFLEET_KV_POOL",
         flag="--kv-pool",
-        help="shared KV pool to join (docs/kv_pools.md); none: the engine's whole cache",
+        help="shared KV pool to join; none: the engine's whole cache",
+        see=("KV pools", "kv-pools.md"),
     )
     share_weight: float = setting(
         1.0,
@@ -222,6 +225,7 @@ class WorkerSettings:
         help="more urgent requests a read may take beyond the free sequence slots, each "
         "preempting a running batch request (recomputed mostly from the prefix cache); 0: none. "
         "Applies to a worker serving batch and a more urgent level, with batch yielding",
+        see=("Batch work yields", "workers.md#batch-work-yields-to-interactive-work"),
     )
     batch_yields: bool = setting(
         True,
@@ -230,6 +234,7 @@ class WorkerSettings:
         help="batch work sits out engine steps that prefill more urgent work, more urgent work "
         "arriving in Redis cuts a batch-only step short, and urgent reads take slots from it; "
         "off (the flag, or 0) runs batch work like any other",
+        see=("Batch work yields", "workers.md#batch-work-yields-to-interactive-work"),
     )
     steal_after_s: float = setting(
         0.5,
@@ -238,6 +243,7 @@ class WorkerSettings:
         help="routed work waiting this long in another worker's routed stream (or two of that "
         "worker's longest recent steps, at most 10 times this) may be stolen by this worker "
         "when it has room (seconds)",
+        see=("Routing", "routing.md"),
     )
     overflow_for: str | None = setting(
         None,
@@ -247,6 +253,7 @@ class WorkerSettings:
         help="serve MODEL as an overflow worker: take only its work that has waited "
         "overflow-after-s or more, from the shared and routed streams alike; never a routing "
         "target",
+        see=("Routing", "routing.md"),
     )
     overflow_after_s: float = setting(
         5.0,

@@ -48,6 +48,7 @@ class GatewaySettings:
         choices=AUTH_MODES,
         help="off: anyone who reaches the port may submit (for local use); required: every /v1 "
         "call needs an API key from tokenfleet keys create",
+        see=("API keys and quotas", "security.md#api-keys-and-quotas"),
     )
     on_disconnect: str = setting(
         "cancel",
@@ -64,6 +65,7 @@ class GatewaySettings:
         help="seconds between SSE keep-alive comments on every stream "
         "(tokenfleet.producer.gateway.keepalive): 15 s keeps a stream well inside the common 60 s "
         "idle timeouts of proxies and load balancers (nginx, AWS ALB) at 14 bytes an interval",
+        see=("Streams", "sse.md"),
     )
     max_body_bytes: int = setting(
         2_097_152,
@@ -90,6 +92,7 @@ class GatewaySettings:
         DEFAULT_BATCH_WINDOW,
         env="TOKENFLEET_GATEWAY_BATCH_WINDOW",
         help="the most lines of one batch this process keeps in the fleet at once",
+        see=("Batches", "batches.md"),
     )
     batch_lease_ms: int = setting(
         DEFAULT_BATCH_LEASE_MS,
