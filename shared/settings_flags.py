@@ -33,7 +33,8 @@ def shown_default(d: Declared) -> str:
 
 def flag_help(d: Declared) -> str:
     """The flag's ``--help`` line: the declared help, then its variable and default."""
-    where = [f"${d.spec.env}" if d.spec.env else "", f"default {shown_default(d)}"]
+    default = f"default {shown_default(d)}" if d.has_default else "required"
+    where = [f"${d.spec.env}" if d.spec.env else "", default]
     text = f"{d.spec.help} ({', '.join(w for w in where if w)})"
     return text.replace("%", "%%")  # argparse formats help with %
 
