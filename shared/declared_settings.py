@@ -170,6 +170,16 @@ def env_names(cls: type) -> dict[str, str]:
     return {d.spec.env: d.key for d in declared(cls) if d.spec.env}
 
 
+def label(cls: type, name: str) -> str:
+    """The field ``name`` of ``cls`` as a message names it: with the flag and the variable that
+    set it (``max_num_seqs (--max-num-seqs, TOKENFLEET_MAX_NUM_SEQS)``), so a value a settings
+    class refuses in ``__post_init__`` is traced to what a person wrote; the bare name where
+    neither sets it."""
+    d = next(d for d in declared(cls) if d.name == name)
+    ways = [*d.spec.flags[:1], *filter(None, [d.spec.env])]
+    return f"{name} ({', '.join(ways)})" if ways else name
+
+
 def _unwrap(hint: Any) -> tuple[type, bool]:
     """(type without ``None``, whether ``None`` was allowed) of a field's annotation."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:

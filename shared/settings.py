@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tokenfleet.shared import declared_settings
-from tokenfleet.shared.declared_settings import setting
+from tokenfleet.shared.declared_settings import label, setting
 from tokenfleet.shared.errors import SettingsError
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -176,7 +176,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_MODES:
             raise SettingsError(
-                f"routing must be one of {', '.join(ROUTING_MODES)}, got {self.routing!r}"
+                f"{label(Settings, 'routing')} must be one of {', '.join(ROUTING_MODES)}, "
+                f"got {self.routing!r}"
             )
         validate_redis_url(self.redis_url)
         validate_mode(self)
@@ -184,8 +185,8 @@ class Settings:
             raise SettingsError(f"lane {self.lane!r} is not a model name")
         if not _PREFIX_RE.match(self.key_prefix):
             raise SettingsError(
-                f"key prefix {self.key_prefix!r} must be 1-64 characters of letters, digits, "
-                "'_', '.' or '-'"
+                f"{label(Settings, 'key_prefix')} must be 1-64 characters of letters, digits, "
+                f"'_', '.' or '-', got {self.key_prefix!r}"
             )
         for name in (
             "record_ttl_s",
@@ -199,14 +200,18 @@ class Settings:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+                raise SettingsError(
+                    f"{label(Settings, name)} must be a positive integer, got {value!r}"
+                )
         for name in ("redis_retry_s", "redis_wait_replicas"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise SettingsError(f"{name} must be an integer >= 0, got {value!r}")
+                raise SettingsError(
+                    f"{label(Settings, name)} must be an integer >= 0, got {value!r}"
+                )
         if self.sentinel_tls not in (0, 1):  # a bool; 0 and 1 are accepted as they equal one
             raise SettingsError(
-                f"sentinel_tls (TOKENFLEET_SENTINEL_TLS) must be 0 or 1, got {self.sentinel_tls!r}"
+                f"{label(Settings, 'sentinel_tls')} must be 0 or 1, got {self.sentinel_tls!r}"
             )
 
     @classmethod

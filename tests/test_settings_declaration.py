@@ -57,6 +57,8 @@ SPECIAL: dict[str, tuple[str, Any, str]] = {
     "redis_url": ("redis://h:1/0", "redis://h:1/0", "redis://e:2/0"),
     "kv_memory": ("2G", 2 * 2**30, "1G"),
     "priorities": ("batch,critical", (Priority.CRITICAL, Priority.BATCH), "normal"),
+    "batch_lease_ms": ("700", 700, "300"),  # leases: at least MIN_BATCH_LEASE_MS
+    "lease_ms": ("700", 700, "300"),
 }
 
 
@@ -194,3 +196,23 @@ def test_a_bad_value_names_its_variable_or_flag() -> None:
         WorkerSettings.from_env({}, model="m", priorities="urgent")
     with pytest.raises(SettingsError, match=r"no model given: pass --model PATH\|HUB_ID or set"):
         WorkerSettings.from_env({})
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_a_refused_value_names_its_flag_and_variable(cls: type) -> None:
+    # Out of range (-1) or not a choice: the class's own check says which flag and variable.
+    checked = 0
+    for d in declared(cls):
+        if d.spec.choices:
+            bad = "bogus"
+        elif d.kind in (int, float) and d.spec.parse is None:
+            bad = "-1"
+        else:
+            continue
+        env, given = ({d.spec.env: bad}, {}) if d.spec.env else ({}, {d.key: d.kind(bad)})
+        with pytest.raises(SettingsError) as refused:
+            _value(cls, d, env, given)
+        for name in [*d.spec.flags[:1], *filter(None, [d.spec.env])]:
+            assert name in str(refused.value), (name, str(refused.value))
+        checked += 1
+    assert checked or cls.__name__ in ("ModelCacheSettings", "CronSettings")

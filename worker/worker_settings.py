@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet.shared import declared_settings
-from tokenfleet.shared.declared_settings import env_names, setting
+from tokenfleet.shared.declared_settings import env_names, label, setting
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
@@ -264,17 +264,16 @@ class WorkerSettings:
     log_level: str = setting("INFO", flag="--log-level", help="logging level (logs go to stderr)")
 
     def __post_init__(self) -> None:
+        cls = WorkerSettings
         if self.overflow_for is not None:
             self.model_name = self.overflow_for
-        if self.steal_after_s < 0 or self.overflow_after_s < 0:
-            raise SettingsError("steal_after_s and overflow_after_s must be >= 0")
+        for name in ("steal_after_s", "overflow_after_s"):
+            _check_at_least_0(name, getattr(self, name))
         if not self.model:
             raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
-        try:
-            check_model_name(self.model_name)
-            check_name("worker", self.name)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+        named = "overflow_for" if self.overflow_for is not None else "model_name"
+        _check(named, check_model_name, self.model_name)
+        _check("name", lambda name: check_name("worker", name), self.name)
         if self.kv_blocks is not None and self.kv_memory_bytes is not None:
             raise SettingsError(
                 "give either --kv-blocks or --kv-memory (TOKENFLEET_KV_BLOCKS or "
@@ -286,28 +285,28 @@ class WorkerSettings:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise SettingsError(f"metrics port must be in 0..65535, got {self.metrics_port}")
+            raise SettingsError(
+                f"{label(cls, 'metrics_port')} must be in 0..65535, got {self.metrics_port}"
+            )
         if not self.priorities:
-            raise SettingsError("a worker must serve at least one priority")
+            raise SettingsError(
+                f"a worker must serve at least one priority ({label(cls, 'priorities')})"
+            )
         self.priorities = tuple(sorted(set(self.priorities)))
         if self.heartbeat_ttl_s <= HEARTBEAT_INTERVAL_S:
             raise SettingsError(
-                "heartbeat TTL must be longer than the heartbeat interval "
-                f"({HEARTBEAT_INTERVAL_S} s)"
+                f"{label(cls, 'heartbeat_ttl_s')} must be longer than the heartbeat interval "
+                f"({HEARTBEAT_INTERVAL_S} s), got {self.heartbeat_ttl_s}"
             )
         for name in ("grace_s", "claim_interval_s", "claim_idle_s"):
-            if getattr(self, name) < 0:
-                raise SettingsError(f"{name} must be >= 0")
-        try:
-            if self.kv_pool is not None:
-                check_name("pool", self.kv_pool)
-            weight_milli(self.share_weight)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
+            _check_at_least_0(name, getattr(self, name))
+        if self.kv_pool is not None:
+            _check("kv_pool", lambda pool: check_name("pool", pool), self.kv_pool)
+        _check("share_weight", weight_milli, self.share_weight)
         if self.urgent_slots is not None and not 0 <= self.urgent_slots <= self.max_num_seqs:
             raise SettingsError(
-                f"urgent_slots must be in 0..{self.max_num_seqs} (max_num_seqs), "
-                f"got {self.urgent_slots}"
+                f"{label(cls, 'urgent_slots')} must be in 0..{self.max_num_seqs} "
+                f"(max_num_seqs), got {self.urgent_slots}"
             )
 
     @property
@@ -359,4 +358,19 @@ ENV_VARS: dict[str, str] = env_names(WorkerSettings)
 
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise SettingsError(f"{name} must be a positive integer, got {value!r}")
+        raise SettingsError(
+            f"{label(WorkerSettings, name)} must be a positive integer, got {value!r}"
+        )
+
+
+def _check_at_least_0(name: str, value: float) -> None:
+    if value < 0:
+        raise SettingsError(f"{label(WorkerSettings, name)} must be >= 0, got {value}")
+
+
+def _check(name: str, check: Callable[[Any], object], value: Any) -> None:
+    """``check(value)``; its ``ValueError`` as a ``SettingsError`` naming the setting."""
+    try:
+        check(value)
+    except ValueError as exc:
+        raise SettingsError(f"{label(WorkerSettings, name)}: {exc}") from None

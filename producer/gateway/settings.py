@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet.shared import declared_settings
-from tokenfleet.shared.declared_settings import setting
+from tokenfleet.shared.declared_settings import label, setting
 from tokenfleet.shared.errors import SettingsError
 
 DISCONNECT_MODES = ("cancel", "continue")
@@ -24,6 +24,8 @@ AUTH_MODES = ("off", "required")
 MODELS_REFRESH_S = 1.0
 DEFAULT_BATCH_WINDOW = 64  # (the gateway's and a lone batch runner's defaults are one)
 DEFAULT_BATCH_LEASE_MS = 10_000
+# A batch lease shorter than this would lapse between two renewals of a live driver.
+MIN_BATCH_LEASE_MS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +33,8 @@ class GatewaySettings:
     """How the gateway listens and what it accepts; each field's declaration says what it does.
 
     Invariants (checked at construction): ``auth`` and ``on_disconnect`` are known modes; the
-    port is a TCP port; sizes, counts and the lease are positive, the submit wait >= 0, the
-    keep-alive interval in (0, 3600] s.
+    port is a TCP port; sizes, counts and the processes are positive, the batch lease at least
+    ``MIN_BATCH_LEASE_MS``, the submit wait >= 0, the keep-alive interval in (0, 3600] s.
     """
 
     host: str = setting(
@@ -109,27 +111,38 @@ class GatewaySettings:
     log_level: str = setting("info", flag="--log-level", help="uvicorn's log level")
 
     def __post_init__(self) -> None:
+        cls = GatewaySettings
         if self.auth not in AUTH_MODES:
-            raise SettingsError(f"gateway auth must be 'off' or 'required', got {self.auth!r}")
+            raise SettingsError(
+                f"{label(cls, 'auth')} must be 'off' or 'required', got {self.auth!r}"
+            )
         if self.on_disconnect not in DISCONNECT_MODES:
             raise SettingsError(
-                f"on_disconnect must be 'cancel' or 'continue', got {self.on_disconnect!r}"
+                f"{label(cls, 'on_disconnect')} must be 'cancel' or 'continue', "
+                f"got {self.on_disconnect!r}"
             )
         if not 0 < self.port < 65536:
-            raise SettingsError(f"port must be in 1..65535, got {self.port}")
+            raise SettingsError(f"{label(cls, 'port')} must be in 1..65535, got {self.port}")
         for name in (
             "max_body_bytes",
             "max_file_bytes",
             "default_max_tokens",
             "batch_window",
-            "batch_lease_ms",
+            "processes",
         ):
             if getattr(self, name) <= 0:
-                raise SettingsError(f"{name} must be positive, got {getattr(self, name)}")
+                raise SettingsError(
+                    f"{label(cls, name)} must be positive, got {getattr(self, name)}"
+                )
+        _check_lease(cls, "batch_lease_ms", self.batch_lease_ms)
         if not 0 < self.keepalive_s <= 3600:  # 0 would make sse-starlette spin
-            raise SettingsError(f"keepalive_s must be in (0, 3600], got {self.keepalive_s}")
+            raise SettingsError(
+                f"{label(cls, 'keepalive_s')} must be in (0, 3600], got {self.keepalive_s}"
+            )
         if self.submit_wait_s < 0:
-            raise SettingsError(f"submit_wait_s must be >= 0, got {self.submit_wait_s}")
+            raise SettingsError(
+                f"{label(cls, 'submit_wait_s')} must be >= 0, got {self.submit_wait_s}"
+            )
 
     @property
     def auth_required(self) -> bool:
@@ -152,7 +165,8 @@ class BatchRunnerSettings:
     """A batch runner in a process of its own (``python -m
     tokenfleet.producer.gateway.batches.runner``); its connection is the shared ``Settings``.
 
-    Invariant: both values are positive (``BatchRunner`` checks them as it starts).
+    Invariant (checked at construction): the window is positive, the lease at least
+    ``MIN_BATCH_LEASE_MS``.
     """
 
     window: int = setting(
@@ -165,3 +179,17 @@ class BatchRunnerSettings:
         flag="--lease-ms",
         help="how long a batch this runner drives stays its own without a renewal (milliseconds)",
     )
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise SettingsError(
+                f"{label(BatchRunnerSettings, 'window')} must be positive, got {self.window}"
+            )
+        _check_lease(BatchRunnerSettings, "lease_ms", self.lease_ms)
+
+
+def _check_lease(cls: type, name: str, value: int) -> None:
+    if value < MIN_BATCH_LEASE_MS:
+        raise SettingsError(
+            f"{label(cls, name)} must be at least {MIN_BATCH_LEASE_MS} ms, got {value}"
+        )

@@ -155,6 +155,30 @@ def test_settings_from_env() -> None:
         GatewaySettings(on_disconnect="ignore")
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--window", "0"], "window (--window) must be positive"),
+        (["--lease-ms", "50"], "lease_ms (--lease-ms) must be at least 100 ms"),
+        (["--redis-url", "http://h"], "must start with redis://"),
+    ],
+)
+def test_a_lone_batch_runner_refuses_bad_settings_in_one_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenfleet.producer.gateway.batches import runner
+
+    with pytest.raises(SystemExit) as exited:
+        runner.main(argv)
+    assert exited.value.code == 1
+    assert said in capsys.readouterr().err
+
+
+def test_a_batch_lease_the_runner_refuses_is_refused_by_the_gateway_settings() -> None:
+    with pytest.raises(SettingsError, match="TOKENFLEET_GATEWAY_BATCH_LEASE_MS"):
+        GatewaySettings.from_env({"TOKENFLEET_GATEWAY_BATCH_LEASE_MS": "50"})
+
+
 def test_keepalive_setting_default_env_and_bounds() -> None:
     assert GatewaySettings().keepalive_s == 15.0
     env = {"TOKENFLEET_GATEWAY_KEEPALIVE_S": "2.5"}

@@ -56,14 +56,16 @@ def test_bad_urls_are_refused(url: str, fragment: str) -> None:
 
 @pytest.mark.parametrize("prefix", ["", "has space", "a:b", "x" * 65])
 def test_bad_prefixes_are_refused(prefix: str) -> None:
-    with pytest.raises(SettingsError, match="key prefix"):
+    with pytest.raises(SettingsError, match=r"key_prefix \(TOKENFLEET_KEY_PREFIX\) must be"):
         Settings(key_prefix=prefix)
 
 
 def test_non_integer_number_setting_is_refused() -> None:
     with pytest.raises(SettingsError, match="TOKENFLEET_RECORD_TTL_S must be an integer"):
         Settings.from_env({"TOKENFLEET_RECORD_TTL_S": "1d"})
-    with pytest.raises(SettingsError, match="record_ttl_s must be a positive integer"):
+    with pytest.raises(
+        SettingsError, match=r"record_ttl_s \(TOKENFLEET_RECORD_TTL_S\) must be a positive integer"
+    ):
         Settings(record_ttl_s=0)
 
 

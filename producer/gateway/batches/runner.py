@@ -8,7 +8,7 @@ re-attaches its lines by request id. Two runners overlapping (a paused one whose
 is harmless: the ledger script writes each line once.
 
 Run one in a process of its own with ``python -m tokenfleet.producer.gateway.batches.runner``
-(``REDIS_URL`` and ``TOKENFLEET_KEY_PREFIX`` as for every tokenfleet process).
+(``REDIS_URL`` or ``--redis-url``, and ``TOKENFLEET_KEY_PREFIX``, as for every tokenfleet process).
 """
 
 from __future__ import annotations
@@ -31,13 +31,15 @@ from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.producer.gateway.settings import (
     DEFAULT_BATCH_LEASE_MS,
     DEFAULT_BATCH_WINDOW,
+    MIN_BATCH_LEASE_MS,
     BatchRunnerSettings,
 )
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
-from tokenfleet.shared.errors import TokenfleetError
+from tokenfleet.shared.errors import SettingsError, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.redis_connect import async_redis_client
+from tokenfleet.shared.redis_flags import add_redis_flags, settings_from_flags
 from tokenfleet.shared.scripts.registry import acall
 from tokenfleet.shared.settings import Settings
 from tokenfleet.shared.settings_flags import add_flags, flag_values
@@ -68,8 +70,8 @@ class BatchRunner:
         """``store``: validates batches whose creating gateway died mid-validation (with its
         line limits); default: a store with the default limits. ``only``: drive just these
         batches (a ``wait()`` drives its own batch, not every batch of the fleet)."""
-        if window < 1 or lease_ms < 100:
-            raise ValueError("window must be >= 1 and lease_ms >= 100")
+        if window < 1 or lease_ms < MIN_BATCH_LEASE_MS:
+            raise ValueError(f"window must be >= 1 and lease_ms >= {MIN_BATCH_LEASE_MS}")
         store = store or BatchStore(
             redis, settings, default_max_tokens=default_max_tokens, lease_ms=lease_ms
         )
@@ -151,8 +153,7 @@ class BatchRunner:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _main(own: BatchRunnerSettings) -> None:
-    settings = Settings.from_env()
+async def _main(own: BatchRunnerSettings, settings: Settings) -> None:
     async with AsyncClient.from_url(settings=settings) as client:
         r = async_redis_client(settings)
         try:
@@ -163,13 +164,23 @@ async def _main(own: BatchRunnerSettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m tokenfleet.producer.gateway.batches.runner [--window N] [--lease-ms MS]``."""
-    parser = argparse.ArgumentParser(description="Drive the fleet's Batch API batches.")
+    """``python -m tokenfleet.producer.gateway.batches.runner [--window N] [--lease-ms MS]``
+    and the Redis connection flags; bad settings exit 1 with one line naming them."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenfleet.producer.gateway.batches.runner",
+        description="Drive the fleet's Batch API batches.",
+    )
     add_flags(parser, BatchRunnerSettings)
-    own = BatchRunnerSettings(**flag_values(parser.parse_args(argv), BatchRunnerSettings))
+    add_redis_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        own = BatchRunnerSettings(**flag_values(args, BatchRunnerSettings))
+        settings = settings_from_flags(args)
+    except SettingsError as exc:
+        parser.exit(1, f"{parser.prog}: {exc}\n")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_main(own))
+        asyncio.run(_main(own, settings))
 
 
 if __name__ == "__main__":
