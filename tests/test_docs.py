@@ -20,9 +20,10 @@ README_MAX_BYTES = 15 * 1024
 SOURCES = ("shared", "producer", "worker", "tests", "benchmarks", "scripts", "examples", "deploy")
 TOP_FILES = ("compose.yaml", "Dockerfile", "Makefile", "mkdocs.yml", "pyproject.toml", ".ci/run")
 TEXT_SUFFIXES = {".py", ".lua", ".yaml", ".yml", ".toml", ".md", ".sh", ".txt", ".cfg", ""}
-# "README" as a word that is not the file name README.md ("the README's ...", README "Routing")
-# or a § sign: a citation of a README section. Names such as README_START are not.
-README_CITATION = re.compile(r"\bREADME(?![.\w])|§")
+# "README" as a word that is not the file name README.md ("the README's ...", README "Routing"),
+# a link into one of its sections (README.md#routing) or a § sign: a citation of a README
+# section. Names such as README_START are not.
+README_CITATION = re.compile(r"\bREADME(?![.\w])|README\.md#|§")
 
 
 def _nav_pages(nav: list) -> list[str]:
