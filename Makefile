@@ -52,8 +52,9 @@ bench: $(STAMP)
 	$(PY) -m tokenfleet.worker.cli bench all
 
 # The docs site (mkdocs.yml, docs/): built strict, so a broken link, anchor or API reference fails.
+# NO_MKDOCS_2_WARNING: Material's banner about its successor, printed on every build.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache

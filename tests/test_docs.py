@@ -107,3 +107,8 @@ def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     assert "submit_many" in client_api  # the API pages are generated from the docstrings
     figures = (tmp_path / "benchmarks" / "index.html").read_text()
     assert "submit-many" in figures  # the headline table is included from RESULTS.md
+    settings_api = (tmp_path / "reference" / "settings" / "index.html").read_text()
+    # a declared field shows its default and its help (scripts/griffe_settings.py), not the
+    # setting(...) call that declares it
+    assert "setting(" not in settings_api
+    assert "TOKENFLEET_MAX_NUM_SEQS" in settings_api and "max_num_seqs" in settings_api
