@@ -265,7 +265,9 @@ def test_routing_is_prefix_session_or_off() -> None:
 
     assert Settings().routing == "prefix"
     assert Settings.from_env({"TOKENFLEET_ROUTING": "off"}).routing == "off"
-    with pytest.raises(SettingsError, match="routing must be one of prefix, session, off"):
+    with pytest.raises(
+        SettingsError, match=r"routing \(TOKENFLEET_ROUTING\) must be one of prefix, session, off"
+    ):
         Settings(routing="random")
     params = {"prompt": "p" * 300, "metadata": {"session": "s"}}
     by_mode = {m: prepare(Settings(routing=m), now=0.0, **params) for m in ("prefix", "session")}
