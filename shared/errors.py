@@ -22,9 +22,14 @@ class SettingsError(TokenfleetError, ValueError):
 
 
 class InvalidRequest(TokenfleetError, ValueError):
-    """The request was refused before anything touched Redis; the message names the field."""
+    """The request was refused before anything touched Redis; the message names the field, and
+    ``param`` (when set) is that field's name as an HTTP gateway reports it."""
 
     code = "invalid_request"
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class IdempotencyConflict(InvalidRequest):

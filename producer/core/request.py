@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import orjson
 
+from tokenfleet.producer.core.structured import constraint_of
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
 from tokenfleet.shared.prefix_chain import session_of
@@ -41,6 +42,14 @@ SUBMIT_FIELDS = frozenset(
         "request_id",
         "deadline_s",
         "metadata",
+        # structured outputs (core/structured.py) and logprobs
+        "response_format",
+        "json_schema",
+        "regex",
+        "choice",
+        "grammar",
+        "logprobs",
+        "top_logprobs",
     }
 )
 
@@ -151,11 +160,20 @@ def build(
     request_id: str | None = None,
     deadline_s: float | None = None,
     metadata: dict[str, Any] | None = None,
+    response_format: Any = None,
+    json_schema: Any = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
 ) -> GenerationRequest:
     """Validate one request; ``InvalidRequest`` names the first fault.
 
     ``deadline_s`` is relative (seconds from ``now``): the request must have *started* by then,
-    else it ends ``expired``.
+    else it ends ``expired``. At most one of ``response_format``, ``json_schema``, ``regex``,
+    ``choice`` and ``grammar`` constrains the output (``core.structured``;
+    docs/structured-outputs.md).
     """
     if deadline_s is not None and (
         not isinstance(deadline_s, int | float)
@@ -176,6 +194,15 @@ def build(
             _NO_IDS if stop_token_ids is _NO_IDS else _token_ids("stop_token_ids", stop_token_ids)
         ),
         ignore_eos=ignore_eos,
+        structured=constraint_of(
+            response_format=response_format,
+            json_schema=json_schema,
+            regex=regex,
+            choice=choice,
+            grammar=grammar,
+        ),
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     sampling.check_limit(settings.max_tokens_limit)
     request = GenerationRequest(

@@ -84,7 +84,7 @@ def from_tokenfleet(exc: TokenfleetError) -> ApiError:
     if getattr(exc, "code", "") == "model_not_found":
         return ApiError(404, str(exc), code="model_not_found", param="model")
     if isinstance(exc, InvalidRequest):
-        return ApiError(400, str(exc), code=exc.code)
+        return ApiError(400, str(exc), code=exc.code, param=exc.param)
     if isinstance(exc, UnknownRequest):
         return ApiError(404, str(exc), code=exc.code)
     if isinstance(exc, Overloaded):

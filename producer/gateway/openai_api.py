@@ -2,12 +2,17 @@
 
 The body models are pydantic (strict: ``"1"`` is not a number, ``true`` is not an integer), so
 a wrong type is a 400 that names the field. Every field OpenAI defines that tokenfleet does not
-support is refused with a 400 naming it when it asks for something (``n`` > 1, ``logprobs``,
-tools, penalties other than 0, ...); it is accepted when it holds the value that means "off". A
-field OpenAI does not define and we do not add is refused too: nothing is silently ignored.
+support is refused with a 400 naming it when it asks for something (``n`` > 1, tools, penalties
+other than 0, ...); it is accepted when it holds the value that means "off". A field OpenAI does
+not define and we do not add is refused too: nothing is silently ignored.
+
+Structured outputs and logprobs (docs/structured-outputs.md): chat's ``response_format``
+(``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` on both endpoints
+(``json``, ``json_object``, ``regex``, ``choice``, ``grammar``), chat's ``logprobs`` +
+``top_logprobs`` and completions' ``logprobs: k``. A bad spec is a 400 naming the field.
 
 Extensions (docs/gateway.md): ``priority`` (critical | normal | batch), ``deadline_s``,
-``top_k``, ``ignore_eos``, ``stop_token_ids``.
+``top_k``, ``ignore_eos``, ``stop_token_ids``, ``structured_outputs``.
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenfleet.producer.core.structured import constraint_of
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.identity import Kind
+from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.schema import MAX_TOP_LOGPROBS
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint defaults to
+JSON_OBJECT = {"type": "json_object"}
 
 
 class StreamOptions(BaseModel):
@@ -29,6 +38,17 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (sent through the SDKs' ``extra_body``): one of these."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Common(BaseModel):
@@ -52,6 +72,7 @@ class _Common(BaseModel):
     top_k: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputs | None = None
     # OpenAI fields we accept only when they ask for nothing
     n: int | None = None
     presence_penalty: float | None = None
@@ -108,8 +129,6 @@ _OFF: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v == 0,
     "frequency_penalty": lambda v: v == 0,
     "logit_bias": lambda v: not v,
-    "logprobs": lambda v: v is False or v == 0,
-    "top_logprobs": lambda v: v == 0,
     "service_tier": lambda v: v in ("auto", "default"),
     "echo": lambda v: v is False,
     "best_of": lambda v: v == 1,
@@ -119,7 +138,6 @@ _OFF: dict[str, Callable[[Any], bool]] = {
     "functions": lambda v: not v,
     "function_call": lambda v: v == "none",
     "parallel_tool_calls": lambda v: True,  # meaningless without tools, which are refused
-    "response_format": lambda v: v == {"type": "text"},
     "store": lambda v: v is False,
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -154,6 +172,72 @@ def _refuse_unsupported(body: _Common) -> None:
         raise ApiError(
             400, "stream_options is only allowed with stream: true", param="stream_options"
         )
+
+
+def _structured(body: _Common, params: dict[str, Any]) -> None:
+    """``structured_outputs`` (and chat's ``response_format``) as submit()'s arguments; a bad
+    spec is a 400 naming the field (checked here, before the key is charged)."""
+    so = body.structured_outputs
+    given: list[tuple[str, str, Any]] = []  # (param name in the body, submit keyword, value)
+    if so is not None:
+        if so.json_ is not None:
+            given.append(("structured_outputs.json", "json_schema", so.json_))
+        if so.json_object:
+            given.append(("structured_outputs.json_object", "response_format", JSON_OBJECT))
+        for name in ("regex", "choice", "grammar"):
+            value = getattr(so, name)
+            if value is not None:
+                given.append((f"structured_outputs.{name}", name, value))
+    response_format = getattr(body, "response_format", None)
+    if response_format is not None and response_format != {"type": "text"}:
+        given.append(("response_format", "response_format", response_format))
+    if len(given) > 1:
+        raise ApiError(
+            400,
+            f"give one structured output, not {len(given)} ({', '.join(g[0] for g in given)})",
+            param=given[1][0],
+        )
+    if not given:
+        return
+    param, keyword, value = given[0]
+    try:
+        constraint_of(**{keyword: value})
+    except InvalidRequest as exc:
+        message = str(exc).replace(exc.param or keyword, param, 1)
+        raise ApiError(400, message, code="invalid_structured_output", param=param) from None
+    params[keyword] = value
+
+
+def _logprobs(body: _Common, params: dict[str, Any], kind: Kind) -> None:
+    """Chat's ``logprobs: true`` + ``top_logprobs`` (0-20); completions' ``logprobs: k``."""
+    lp, top = body.logprobs, body.top_logprobs
+    if kind == "completion":
+        if top is not None:
+            raise ApiError(
+                400, "top_logprobs is a chat parameter: send logprobs: k", param="top_logprobs"
+            )
+        if lp is None or lp is False:
+            return
+        if isinstance(lp, bool) or not 0 <= lp <= MAX_TOP_LOGPROBS:
+            raise ApiError(
+                400,
+                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {lp!r}",
+                param="logprobs",
+            )
+        params["logprobs"], params["top_logprobs"] = True, lp
+        return
+    if lp is not None and not isinstance(lp, bool):
+        raise ApiError(400, f"logprobs must be a boolean, got {lp!r}", param="logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(
+            400,
+            f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
+            param="top_logprobs",
+        )
+    if top and not lp:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if lp:
+        params["logprobs"], params["top_logprobs"] = True, top or 0
 
 
 def _sampling(body: _Common, max_tokens: int | None, default_max: int) -> dict[str, Any]:
@@ -196,6 +280,8 @@ def completion_submission(body: CompletionBody) -> Submission:
             )
         prompt = prompt[0]
     params = _sampling(body, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS)
+    _structured(body, params)
+    _logprobs(body, params, "completion")
     params["prompt"] = prompt
     size = len(prompt) // 4 if isinstance(prompt, str) else len(prompt)
     return _submission("completion", body, params, size)
@@ -242,6 +328,8 @@ def chat_submission(body: ChatBody, default_max_tokens: int) -> Submission:
         )
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
     params = _sampling(body, limit if limit is not None else body.max_tokens, default_max_tokens)
+    _structured(body, params)
+    _logprobs(body, params, "chat")
     params["messages"] = messages
     size = sum(len(m["content"]) for m in messages) // 4
     return _submission("chat", body, params, size)

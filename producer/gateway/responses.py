@@ -7,12 +7,14 @@ time (whole seconds) and ``id`` its request id, wherever the stream is served fr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.errors import ApiError, error_body
 from tokenfleet.producer.gateway.identity import Kind
-from tokenfleet.shared.schema import TerminalEvent
+from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 
 # How a request that did not end ``done`` is answered (non-streaming), by terminal status.
 _FAILURE_STATUS = {"cancelled": 409, "expired": 504, "dropped": 429}
@@ -40,8 +42,10 @@ class Framing:
         *,
         role: bool = False,
         usage: dict[str, int] | None = None,
+        token: TokenEvent | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk: ``text`` (None: the usage chunk, which has no choices)."""
+        """One stream chunk: ``text`` (None: the usage chunk, which has no choices); ``token``:
+        the event it carries, whose logprobs (if any) the chunk carries in OpenAI's shape."""
         out: dict[str, Any] = {
             "id": self.request_id,
             "object": self._object(True),
@@ -55,31 +59,66 @@ class Framing:
             if text and not role:
                 delta["content"] = text
             out["choices"] = [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": self.logprobs([token]) if token else None,
+                    "finish_reason": finish_reason,
+                }
             ]
         else:
             out["choices"] = [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": self.logprobs([token]) if token else None,
+                    "finish_reason": finish_reason,
+                }
             ]
         if usage is not None:
             out["usage"] = usage
         return out
 
-    def response(self, text: str, terminal: TerminalEvent) -> dict[str, Any]:
-        """The whole (non-streaming) response of a request that ended ``done``."""
+    def logprobs(self, tokens: Sequence[TokenEvent]) -> dict[str, Any] | None:
+        """The ``logprobs`` object of a choice with these tokens, in the endpoint's shape
+        (None when they carry none: the request did not ask). Chat: ``{"content": [per-token
+        objects], "refusal": None}``; completions: ``tokens``, ``token_logprobs``,
+        ``top_logprobs`` (token -> logprob) and ``text_offset``."""
+        entries = [t.logprobs for t in tokens if t.logprobs is not None]
+        if not entries:
+            return None
+        if self.kind == "chat":
+            return {"content": entries, "refusal": None}
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t.text)
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {alt["token"]: alt["logprob"] for alt in e["top_logprobs"]} for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def response(self, tokens: Sequence[TokenEvent], terminal: TerminalEvent) -> dict[str, Any]:
+        """The whole (non-streaming) response of a request that ended ``done``, from its
+        token events."""
+        text = "".join(t.text for t in tokens)
         choice: dict[str, Any]
         if self.kind == "chat":
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": self.logprobs(tokens),
                 "finish_reason": terminal.finish_reason,
             }
         else:
             choice = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
+                "logprobs": self.logprobs(tokens),
                 "finish_reason": terminal.finish_reason,
             }
         return {
@@ -90,6 +129,17 @@ class Framing:
             "choices": [choice],
             "usage": usage_of(terminal),
         }
+
+
+async def collect(handle: AsyncHandle) -> tuple[list[TokenEvent], TerminalEvent]:
+    """A request's token events and its terminal event, read to the end."""
+    tokens: list[TokenEvent] = []
+    async for event in handle.stream():
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+        else:
+            return tokens, event
+    raise RuntimeError("a handle's stream ended without its terminal event")  # invariant
 
 
 def usage_of(terminal: TerminalEvent) -> dict[str, int]:

@@ -27,12 +27,12 @@ from tokenfleet.producer.gateway.openai_api import (
     chat_submission,
     completion_submission,
 )
-from tokenfleet.producer.gateway.responses import failure, used_tokens
+from tokenfleet.producer.gateway.responses import collect, failure, used_tokens
 from tokenfleet.producer.gateway.settings import DISCONNECT_MODES
 from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import QueueStats
-from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
+from tokenfleet.shared.schema import TerminalStatus
 
 router = APIRouter()
 
@@ -127,22 +127,12 @@ def _stream(
     )
 
 
-async def _collect(gw: Gateway, accepted: Accepted) -> tuple[str, TerminalEvent]:
-    texts: list[str] = []
-    async for event in accepted.handle.stream():
-        if isinstance(event, TokenEvent):
-            texts.append(event.text)
-        else:
-            return "".join(texts), event
-    raise RuntimeError("a handle's stream ended without its terminal event")  # invariant
-
-
 async def _whole(
     request: Request, gw: Gateway, caller: Caller, accepted: Accepted, mode: str
 ) -> JSONResponse:
     """Wait for the end, or for the client to leave (then cancel or continue, per ``mode``)."""
     rid = accepted.handle.request_id
-    work = asyncio.ensure_future(_collect(gw, accepted))
+    work = asyncio.ensure_future(collect(accepted.handle))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -157,14 +147,14 @@ async def _whole(
             gw.spawn(gw.client.cancel(rid))
         gw.settle_later(caller, rid, accepted.charged_tokens)
         return JSONResponse({}, status_code=499)  # nobody reads it: the client is gone
-    text, terminal = work.result()
+    tokens, terminal = work.result()
     accepted.handle.close()
     gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(terminal)))
     if terminal.status is not TerminalStatus.DONE:
         err = failure(terminal)
         err.headers.update(accepted.headers)
         raise err
-    return JSONResponse(accepted.framing.response(text, terminal), headers=accepted.headers)
+    return JSONResponse(accepted.framing.response(tokens, terminal), headers=accepted.headers)
 
 
 async def _disconnected(request: Request) -> None:

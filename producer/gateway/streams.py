@@ -58,7 +58,9 @@ async def openai_events(
     try:
         async for event in events:
             if isinstance(event, TokenEvent):
-                yield ServerSentEvent(_data(framing.chunk(event.text)), id=str(event.index))
+                yield ServerSentEvent(
+                    _data(framing.chunk(event.text, token=event)), id=str(event.index)
+                )
                 continue
             state.ended, state.terminal = True, event
             for sse in _ending(event, framing, include_usage):

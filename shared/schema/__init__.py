@@ -11,6 +11,7 @@ import X`` is the way to import them):
 * ``wire``: ``SCHEMA_VERSION`` and the size-checked JSON reader;
 * ``fields``: checks of single values (``check_text``, integers, token ids);
 * ``status``: ``TerminalStatus`` and ``RequestStatus``;
+* ``constraint``: ``Constraint`` (structured outputs: what the output must match);
 * ``sampling``: ``SamplingParams``;
 * ``request``: ``GenerationRequest``, the stream payload, and ``request_fingerprint`` (what
   idempotent resubmits compare);
@@ -19,11 +20,19 @@ import X`` is the way to import them):
 
 from __future__ import annotations
 
+from tokenfleet.shared.schema.constraint import (
+    CONSTRAINT_KINDS,
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_CONSTRAINT_BYTES,
+    Constraint,
+)
 from tokenfleet.shared.schema.events import (
     MAX_EVENT_BYTES,
     Event,
     TerminalEvent,
     TokenEvent,
+    check_logprobs,
     decode_event,
 )
 from tokenfleet.shared.schema.fields import check_text
@@ -36,18 +45,25 @@ from tokenfleet.shared.schema.sampling import (
     MAX_SEED,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
     SamplingParams,
 )
 from tokenfleet.shared.schema.status import RequestStatus, TerminalStatus
 from tokenfleet.shared.schema.wire import SCHEMA_VERSION
 
 __all__ = [
+    "CONSTRAINT_KINDS",
+    "MAX_CHOICES",
+    "MAX_CHOICE_CHARS",
+    "MAX_CONSTRAINT_BYTES",
     "MAX_EVENT_BYTES",
     "MAX_METADATA_BYTES",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "MAX_TOP_LOGPROBS",
     "SCHEMA_VERSION",
+    "Constraint",
     "Event",
     "GenerationRequest",
     "RequestStatus",
@@ -55,6 +71,7 @@ __all__ = [
     "TerminalEvent",
     "TerminalStatus",
     "TokenEvent",
+    "check_logprobs",
     "check_text",
     "decode_event",
     "request_fingerprint",

@@ -20,17 +20,20 @@ class TokenEvent:
     """One generated token. ``index`` counts from 0 per request, gap-free and unique.
 
     ``text`` is the text released with this token (possibly ""); the concatenation of all texts
-    in index order is the request's final text.
+    in index order is the request's final text. ``logprobs`` (requests that asked for them) is
+    OpenAI's per-token object: ``{"token", "logprob", "bytes", "top_logprobs": [{"token",
+    "logprob", "bytes"}, ...]}`` (:func:`check_logprobs`); written only when set.
     """
 
     request_id: str
     index: int
     token_id: int
     text: str
+    logprobs: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
+        out = {
             "v": SCHEMA_VERSION,
             "type": "token",
             "id": self.request_id,
@@ -38,6 +41,9 @@ class TokenEvent:
             "token_id": self.token_id,
             "text": self.text,
         }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
     def encode(self) -> bytes:
         """orjson bytes."""
@@ -90,6 +96,24 @@ class TerminalEvent:
 Event = TokenEvent | TerminalEvent
 
 
+def _entry_ok(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("token"), str)
+        and isinstance(entry.get("logprob"), int | float)
+        and isinstance(entry.get("bytes"), list)
+    )
+
+
+def check_logprobs(value: Any) -> bool:
+    """Whether ``value`` is a token's logprobs object as workers write it (shape and types; at
+    most 20 alternatives)."""
+    if not _entry_ok(value):
+        return False
+    top = value.get("top_logprobs")
+    return isinstance(top, list) and len(top) <= 20 and all(_entry_ok(e) for e in top)
+
+
 def decode_event(data: bytes | str, max_bytes: int = MAX_EVENT_BYTES) -> Event:
     """Parse and validate one channel message or stored token event; ``ProtocolError`` if bad."""
     raw = loads(data, max_bytes, "event")
@@ -103,7 +127,10 @@ def decode_event(data: bytes | str, max_bytes: int = MAX_EVENT_BYTES) -> Event:
         index, token_id, text = raw.get("index"), raw.get("token_id"), raw.get("text")
         if not (is_int(index) and index >= 0 and is_int(token_id) and isinstance(text, str)):
             raise ProtocolError(f"malformed token event for {rid}")
-        return TokenEvent(rid, index, token_id, text)
+        logprobs = raw.get("logprobs")
+        if logprobs is not None and not check_logprobs(logprobs):
+            raise ProtocolError(f"malformed logprobs in token event {index} of {rid}")
+        return TokenEvent(rid, index, token_id, text, logprobs)
     try:
         status = TerminalStatus(str(kind))
     except ValueError:

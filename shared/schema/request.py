@@ -22,14 +22,14 @@ from tokenfleet.shared.schema.wire import SCHEMA_VERSION, loads
 
 MAX_METADATA_BYTES = 16_384
 
-# What the fingerprint leaves out: the span from the top-level "deadline" key to the
-# "metadata" key, i.e. the two times a retry legitimately changes (``enqueued_at`` is the submit
-# time; ``deadline`` is the submit time + ``deadline_s``). to_dict() writes these keys in this
-# order and last but for metadata; a JSON string cannot hold an unescaped quote, so the first
-# occurrence of each marker is the top-level key.
+# What the fingerprint leaves out: the span from the top-level "deadline" key to the "prompt"
+# key, i.e. the two times a retry legitimately changes (``enqueued_at`` is the submit time;
+# ``deadline`` is the submit time + ``deadline_s``). to_dict() writes them right after the id,
+# model and priority (strings of a restricted charset) and before every field a caller fills
+# with free JSON (prompt, messages, a schema in sampling, metadata), so the first occurrence of
+# each marker is the top-level key.
 _FP_CUT_START = b',"deadline":'
-_FP_CUT_END = b',"metadata":'
-_FP_NO_METADATA = b',"metadata":null}'
+_FP_CUT_END = b',"prompt":'
 
 
 def request_fingerprint(payload: bytes) -> str:
@@ -41,12 +41,8 @@ def request_fingerprint(payload: bytes) -> str:
     model, priority, metadata — gives another. Works on the bytes, so ``submit`` and
     ``submit_many`` (which encodes by template, byte-identically) agree without decoding.
     """
-    if payload.endswith(_FP_NO_METADATA):  # the usual case: search back from the end (the
-        end = len(payload) - len(_FP_NO_METADATA)  # two times between are numbers or null)
-        start = payload.rfind(_FP_CUT_START, 0, end)
-    else:  # the first occurrences are the top-level keys (metadata comes after them)
-        start = payload.find(_FP_CUT_START)
-        end = payload.find(_FP_CUT_END, start) if start >= 0 else -1
+    start = payload.find(_FP_CUT_START)
+    end = payload.find(_FP_CUT_END, start) if start >= 0 else -1
     if start < 0 or end < 0:  # not our encoder's layout: the whole payload
         return hashlib.blake2b(payload, digest_size=16).hexdigest()
     return hashlib.blake2b(payload[:start] + payload[end:], digest_size=16).hexdigest()
@@ -143,14 +139,14 @@ class GenerationRequest:
             "id": self.request_id,
             "model": self.model,
             "priority": self.priority.label,
+            "deadline": self.deadline,  # the times first: request_fingerprint relies on it
+            "enqueued_at": self.enqueued_at,
             "prompt": self.prompt,
             "prompt_token_ids": (
                 list(self.prompt_token_ids) if self.prompt_token_ids is not None else None
             ),
             "messages": list(self.messages) if self.messages is not None else None,
             "sampling": self.sampling.to_dict(),
-            "deadline": self.deadline,
-            "enqueued_at": self.enqueued_at,
             "metadata": self.metadata,
         }
 

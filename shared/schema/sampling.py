@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.schema.constraint import Constraint
 from tokenfleet.shared.schema.fields import check_text, is_int
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +22,11 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy; ``top_k == 0`` disables top-k; ``top_p`` is in (0, 1].
     ``max_tokens`` is checked against the fleet's limit by :meth:`check_limit`.
+    ``structured``: what the output must match (None: free text). ``logprobs``: each token
+    event carries the token's log-probability and the ``top_logprobs`` (0-20) most likely
+    alternatives (log-softmax of the raw logits: docs/structured-outputs.md).
+    The three are written by :meth:`to_dict` only when set, so a request that does not use them
+    encodes as it did before they existed.
     """
 
     max_tokens: int = 256
@@ -30,6 +37,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    structured: Constraint | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
@@ -65,6 +75,22 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", ids)
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.structured, dict):
+            object.__setattr__(self, "structured", Constraint.from_dict(self.structured))
+        elif self.structured is not None and not isinstance(self.structured, Constraint):
+            raise InvalidRequest("structured must be a Constraint", param="structured")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequest(
+                f"logprobs must be a bool, got {self.logprobs!r}", param="logprobs"
+            )
+        if not is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                f"{self.top_logprobs!r}",
+                param="top_logprobs",
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
     def check_limit(self, max_tokens_limit: int) -> None:
         """Raise ``InvalidRequest`` if ``max_tokens`` exceeds the fleet's limit."""
@@ -75,7 +101,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
+        out: dict[str, Any] = {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -85,6 +111,12 @@ class SamplingParams:
             "stop_token_ids": list(self.stop_token_ids),
             "ignore_eos": self.ignore_eos,
         }
+        if self.structured is not None:
+            out["structured"] = self.structured.to_dict()
+        if self.logprobs:
+            out["logprobs"] = True
+            out["top_logprobs"] = self.top_logprobs
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> SamplingParams:

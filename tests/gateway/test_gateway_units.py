@@ -122,11 +122,10 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
     ("field", "off", "on"),
     [
         ("n", 1, 3),
-        ("logprobs", False, True),
+        ("service_tier", "auto", "flex"),
         ("presence_penalty", 0, 0.2),
         ("frequency_penalty", 0.0, 1),
         ("logit_bias", {}, {"1": 5}),
-        ("response_format", {"type": "text"}, {"type": "json_object"}),
         ("tool_choice", "none", "auto"),
         ("store", False, True),
     ],

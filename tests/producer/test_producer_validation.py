@@ -30,6 +30,26 @@ CASES: list[tuple[dict[str, Any], str]] = [
     ({"prompt": "x", "deadline_s": 0}, "deadline_s must be a positive number"),
     ({"prompt": "x", "model": "../etc"}, "model name"),
     ({"prompt": [1, -2]}, "prompt_token_ids must be integers"),
+    # structured outputs (docs/structured-outputs.md): each names its argument
+    ({"prompt": "x", "regex": "a(b"}, "(?s)regex cannot be used: .*unclosed group"),
+    ({"prompt": "x", "choice": []}, "choice is empty"),
+    ({"prompt": "x", "choice": ["a", ""]}, r"choice\[1\] must be 1-4096 characters"),
+    ({"prompt": "x", "grammar": "start: foo"}, "(?s)grammar cannot be used: .*unknown name"),
+    ({"prompt": "x", "grammar": "root ::= ("}, "grammar"),
+    ({"prompt": "x", "json_schema": {"type": "foo"}}, "json_schema cannot be used: .*foo"),
+    ({"prompt": "x", "json_schema": {"required": "name"}}, "json_schema cannot be used"),
+    (
+        {"prompt": "x", "json_schema": {"type": "array", "uniqueItems": True}},
+        r"unsupported JSON Schema keyword\(s\) \[\"uniqueItems\"\]",
+    ),
+    ({"prompt": "x", "json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"prompt": "x", "json_schema": 3}, "json_schema must be a JSON schema"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format must be"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format must be"),
+    ({"prompt": "x", "regex": "a", "choice": ["a"]}, "give at most one of"),
+    ({"prompt": "x", "logprobs": True, "top_logprobs": 21}, r"top_logprobs must be .*\[0, 20\]"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs needs logprobs"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs must be a bool"),
 ]
 
 
@@ -44,8 +64,12 @@ def offline_client() -> Client:
 def test_invalid_input_is_refused_before_redis(
     offline_client: Client, params: dict[str, Any], message: str
 ) -> None:
-    with pytest.raises(InvalidRequest, match=message):
+    with pytest.raises(InvalidRequest, match=message) as info:
         offline_client.submit(**params)
+    structured = {"regex", "choice", "grammar", "json_schema", "response_format", "top_logprobs"}
+    named = structured & set(params)
+    if named:  # the argument is named for the gateway's 400 too
+        assert info.value.param in named
     with pytest.raises(InvalidRequest, match=message):
         offline_client.try_submit(**params)
 

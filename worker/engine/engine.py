@@ -11,6 +11,8 @@ import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from typing import Any, Protocol
 
 import torch
@@ -20,12 +22,22 @@ from tokenfleet.worker.engine.batch import StepBatch
 from tokenfleet.worker.engine.block_manager import BlockManager, CacheWatcher, num_blocks_for
 from tokenfleet.worker.engine.config import EngineConfig, with_overrides
 from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
+from tokenfleet.worker.engine.guided import (
+    GRAMMAR_UNSATISFIABLE,
+    GrammarCompiler,
+    GrammarError,
+    MaskFiller,
+    allowed_tokens,
+    apply_mask,
+)
+from tokenfleet.worker.engine.logprobs import pick, raw_logprobs
 from tokenfleet.worker.engine.offline import generate
 from tokenfleet.worker.engine.outputs import (
     CompletionOutput,
     EngineCapacity,
     RequestOutput,
     StepStats,
+    TokenLogprobs,
     step_stats,
 )
 from tokenfleet.worker.engine.paged_attention import StepInterrupted
@@ -75,7 +87,11 @@ class Engine:
           the resumed tokens, and its text pieces concatenate to the request's final text;
         * the engine's own state changes only inside ``add_request``, ``abort`` and ``step``, and
           between steps through its pool port (``pool_port()``: limits, a preemption order);
-          single-threaded: call them from one thread.
+          single-threaded: call them from one thread. (Its helper threads compile grammars and
+          fill token masks; what they touch is theirs until their futures are done.)
+        * a request with a grammar (or logprobs) waits in ``_preparing`` until its matcher (the
+          grammar library's tokenizer) is ready, and is scheduled only then; a scheduled
+          constrained request always has a matcher positioned after its last output token.
     """
 
     tokenizer: Any  # public: the worker applies chat templates with it
@@ -139,6 +155,10 @@ class Engine:
         self._generate_ids = itertools.count()
         self._interrupt: Callable[[], bool] | None = None  # set_interrupt
         self._cut_last = False  # the last background step was cut short
+        # requests waiting for their grammar's matcher (or the token table): id -> future
+        self._preparing: dict[str, tuple[Request, Future[Any]]] = {}
+        self._grammars: GrammarCompiler | None = None  # made at the first request needing it
+        self._masks: MaskFiller | None = None  # made once the grammar tokenizer is ready
 
     # ---------------------------------------------------------------------------- requests
 
@@ -193,14 +213,62 @@ class Engine:
         reason = FinishReason.ERROR if refusal else None
         if reason is None and req.output_token_ids:  # the resumed tokens alone may end it
             reason = self._stop_reason(req, req.output_token_ids[-1], detok)
-        if reason is None:
+        if reason is not None:
+            self._finish_now(req, reason, *(refusal or (None, None)))
+        elif params.grammar is not None:  # compiled (and resumed) off this thread
+            self._preparing[request_id] = (
+                req,
+                self.grammar_compiler().matcher(params.grammar, resume_ids),
+            )
+        elif params.logprobs:  # token texts come from the grammar library's tokenizer
+            self._preparing[request_id] = (req, self.grammar_compiler().tokenizer())
+        else:
             self.scheduler.add(req)
-            return
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This engine's grammar compiler (made the first time it is needed)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _finish_now(
+        self,
+        req: Request,
+        reason: FinishReason,
+        code: str | None = None,
+        message: str | None = None,
+    ) -> None:
+        """End a request the scheduler does not hold; the next ``step()`` reports it."""
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        req.error_code, req.error_message = refusal or (None, None)
+        req.error_code, req.error_message = code, message
         req.timings.finish_time = time.time()
         self._pending.append(_output(req, [], []))
+
+    def _take_prepared(self) -> None:
+        """Schedule the requests whose matchers are ready; end those whose grammar failed. When
+        nothing else can run, wait a little for one (rather than spin the caller's loop)."""
+        if not self._preparing:
+            return
+        if not self.scheduler.has_unfinished() and not self._pending:
+            wait_futures([f for _, f in self._preparing.values()], 0.05, FIRST_COMPLETED)
+        for rid, (req, future) in list(self._preparing.items()):
+            if not future.done():
+                continue
+            del self._preparing[rid]
+            try:
+                ready = future.result()
+            except GrammarError as exc:
+                self._finish_now(req, FinishReason.ERROR, exc.code, str(exc))
+                continue
+            if self._masks is None:
+                self._masks = MaskFiller(self.grammar_compiler().tokenizer().result())
+            if req.params.grammar is not None:
+                req.matcher = ready
+                if ready.is_stopped():  # the resumed tokens completed the grammar
+                    self._finish_now(req, FinishReason.STOP)
+                    continue
+            self.scheduler.add(req)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its KV blocks. True if it was unfinished.
@@ -208,7 +276,11 @@ class Engine:
         The next ``step()`` reports it finished with ``FinishReason.ABORT``."""
         req = self.scheduler.abort(request_id)
         if req is None:
-            return False
+            preparing = self._preparing.pop(request_id, None)
+            if preparing is None:
+                return False
+            self._finish_now(preparing[0], FinishReason.ABORT)
+            return True
         self._pending.append(_output(req, [], []))
         return True
 
@@ -218,6 +290,7 @@ class Engine:
 
     def capacity(self) -> EngineCapacity:
         waiting, running = self.scheduler.waiting, self.scheduler.running
+        waiting = [*waiting, *(req for req, _ in self._preparing.values())]
         block_size = self.block_manager.block_size
         num_needed = sum(num_blocks_for(r.num_tokens, block_size) for r in waiting)
         return EngineCapacity(
@@ -251,17 +324,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns what each request produced (new tokens or its end)."""
         start = time.perf_counter()
+        self._take_prepared()
         scheduled = self.scheduler.schedule()
+        sampling = [
+            req
+            for req, seq in zip(scheduled.requests, scheduled.batch.seqs, strict=True)
+            if seq.needs_logits
+        ]
+        masks = self._start_masks(sampling)  # filled while the model runs
         try:
             logits = self._execute(scheduled)
         except StepInterrupted:
+            if masks is not None:
+                masks[1].result()  # the matchers are the filler's until it is done
             self._cut_last = True
             outputs = self._postprocess_cut(scheduled)
             self.last_step_stats = step_stats(
                 self.scheduler, scheduled, outputs, time.perf_counter() - start, cut=True
             )
             return outputs
-        outputs = self._postprocess(scheduled, logits)
+        outputs = self._postprocess(scheduled, logits, sampling, masks)
         self.last_step_stats = step_stats(
             self.scheduler, scheduled, outputs, time.perf_counter() - start
         )
@@ -291,36 +373,112 @@ class Engine:
             del self._detokenizers[out.request_id]
         return outputs
 
+    def _start_masks(self, sampling: list[Request]) -> tuple[list[int], Future[Any]] | None:
+        """Start filling the token masks of the constrained rows among ``sampling`` (the rows of
+        this step's logits): their row indices and the future of their bitmask."""
+        rows = [i for i, req in enumerate(sampling) if req.matcher is not None]
+        if not rows or self._masks is None:
+            return None
+        return rows, self._masks.start([sampling[i].matcher for i in rows])
+
     def _postprocess(
-        self, scheduled: SchedulerOutput, logits: torch.Tensor | None
+        self,
+        scheduled: SchedulerOutput,
+        logits: torch.Tensor | None,
+        sampling: list[Request],
+        masks: tuple[list[int], Future[Any]] | None,
     ) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         outputs.extend(_output(req, [], []) for req in scheduled.finished)
         self.scheduler.update_after_step(scheduled)
-        sampling = [
-            req
-            for req, seq in zip(scheduled.requests, scheduled.batch.seqs, strict=True)
-            if seq.needs_logits
-        ]
         if sampling:
             if logits is None or logits.shape[0] != len(sampling):
                 raise RuntimeError(
                     f"model runner returned {None if logits is None else logits.shape[0]} "
                     f"rows of logits for {len(sampling)} sequences"
                 )
+            lp_rows = [i for i, req in enumerate(sampling) if req.params.logprobs]
+            raw = raw_logprobs(logits, lp_rows) if lp_rows else None  # before any mask
+            failed = self._apply_masks(logits, sampling, masks) if masks is not None else {}
             token_ids = self.sampler.sample(
                 logits, [r.params for r in sampling], [r.num_output_tokens for r in sampling]
             )
+            refused = self._consume(sampling, token_ids, failed)
+            logprobs: dict[int, TokenLogprobs] = {}
+            if raw is not None:
+                tok = self.grammar_compiler().tokenizer().result()
+                picked = pick(
+                    raw,
+                    [token_ids[i] for i in lp_rows],
+                    [sampling[i].params.top_logprobs for i in lp_rows],
+                    lambda t: bytes(tok.decode_bytes([t])),
+                )
+                logprobs = dict(zip(lp_rows, picked, strict=True))
             now = time.time()
-            for req, token_id in zip(sampling, token_ids, strict=True):
-                outputs.append(self._advance(req, token_id, now))
+            for i, (req, token_id) in enumerate(zip(sampling, token_ids, strict=True)):
+                if i in failed or i in refused:
+                    code, message = failed.get(i) or refused[i]
+                    self.scheduler.finish(req, FinishReason.ERROR)
+                    req.error_code, req.error_message = code, message
+                    outputs.append(_output(req, [], []))
+                    continue
+                outputs.append(self._advance(req, token_id, now, logprobs.get(i)))
         for out in outputs:
             if out.finished:
                 del self._requests[out.request_id]
                 del self._detokenizers[out.request_id]
         return outputs
 
-    def _advance(self, req: Request, token_id: int, now: float) -> RequestOutput:
+    def _apply_masks(
+        self,
+        logits: torch.Tensor,
+        sampling: list[Request],
+        masks: tuple[list[int], Future[Any]],
+    ) -> dict[int, tuple[str, str]]:
+        """Mask the constrained rows' logits; the rows whose grammar allows no token (error
+        code and message by row), which are left unmasked and must not be advanced."""
+        rows, future = masks
+        allowed = allowed_tokens(future.result(), logits.shape[1])
+        dead = (~allowed.any(dim=1)).tolist()
+        failed: dict[int, tuple[str, str]] = {}
+        for j, i in enumerate(rows):
+            matcher = sampling[i].matcher
+            if dead[j] or matcher.is_error():
+                failed[i] = (
+                    GRAMMAR_UNSATISFIABLE,
+                    "no token of this model's vocabulary can continue the output under its "
+                    f"grammar ({matcher.get_error() or 'no token is allowed'})",
+                )
+        keep = [j for j, i in enumerate(rows) if i not in failed]
+        if keep:
+            apply_mask(logits, [rows[j] for j in keep], allowed[keep])
+        return failed
+
+    def _consume(
+        self, sampling: list[Request], token_ids: list[int], failed: dict[int, tuple[str, str]]
+    ) -> dict[int, tuple[str, str]]:
+        """Advance the matchers of the constrained rows by their sampled tokens (all at once);
+        the rows whose matcher refused its token (error code and message by row)."""
+        rows = [i for i, req in enumerate(sampling) if req.matcher is not None and i not in failed]
+        if not rows or self._masks is None:
+            return {}
+        ok = self._masks.consume([sampling[i].matcher for i in rows], [token_ids[i] for i in rows])
+        return {
+            i: (
+                GRAMMAR_UNSATISFIABLE,
+                f"the grammar refused token {token_ids[i]}: {sampling[i].matcher.get_error()}",
+            )
+            for i, accepted in zip(rows, ok, strict=True)
+            if not accepted
+        }
+
+    def _advance(
+        self,
+        req: Request,
+        token_id: int,
+        now: float,
+        logprobs: TokenLogprobs | None = None,
+    ) -> RequestOutput:
         """Append one sampled token, decode it, and finish the request if it must stop."""
         timings = req.timings
         if timings.first_token_time is None:
@@ -336,7 +494,7 @@ class Engine:
                 if detok.stopped:  # the flushed tail completed a stop string
                     reason = FinishReason.STOP
             self.scheduler.finish(req, reason)
-        return _output(req, [token_id], [piece])
+        return _output(req, [token_id], [piece], None if logprobs is None else [logprobs])
 
     def _stop_reason(
         self, req: Request, token_id: int, detok: IncrementalDetokenizer
@@ -345,6 +503,8 @@ class Engine:
         if detok.stopped or token_id in params.stop_token_ids:
             return FinishReason.STOP
         if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if req.matcher is not None and req.matcher.is_stopped():  # the grammar is complete
             return FinishReason.STOP
         if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
@@ -365,12 +525,18 @@ class Engine:
         return generate(self, prompts, params, batch_id=next(self._generate_ids))
 
 
-def _output(req: Request, token_ids: list[int], texts: list[str]) -> RequestOutput:
+def _output(
+    req: Request,
+    token_ids: list[int],
+    texts: list[str],
+    logprobs: list[TokenLogprobs] | None = None,
+) -> RequestOutput:
     finished = req.status is RequestStatus.FINISHED
     return RequestOutput(
         request_id=req.request_id,
         new_token_ids=token_ids,
         new_texts=texts,
+        new_logprobs=logprobs,
         first_index=req.num_output_tokens - len(token_ids),
         finished=finished,
         finish_reason=req.finish_reason if finished else None,

@@ -12,6 +12,25 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One token and its log-probability; ``token`` is its text (``bytes`` decoded, invalid
+    UTF-8 replaced), ``bytes`` its exact bytes."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the ``top_logprobs`` most likely tokens'."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one request produced in one step (a diff: only the new tokens).
 
@@ -22,6 +41,8 @@ class RequestOutput:
     request_id: str = ""
     new_token_ids: list[int] = field(default_factory=list)  # tokens sampled this step
     new_texts: list[str] = field(default_factory=list)  # one text piece per new token
+    # one per new token when the request asked for logprobs, else None
+    new_logprobs: list[TokenLogprobs] | None = None
     first_index: int = 0  # output index of new_token_ids[0] (resumed tokens count)
     finished: bool = False
     finish_reason: FinishReason | None = None  # set when finished

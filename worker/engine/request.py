@@ -6,6 +6,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenfleet.shared.priority import Priority
 
@@ -19,6 +20,11 @@ class SamplingParams:
     ``(seed, i)`` only, so the continuation does not depend on batching, nor on whether the request
     was resumed on another worker from its first ``i`` tokens. Lists given for ``stop`` and
     ``stop_token_ids`` are stored as tuples.
+
+    ``grammar`` (an llguidance grammar, ``Constraint.grammar()``) constrains every token: the
+    logits of tokens it does not allow are ``-inf`` before sampling, and the request ends
+    ``stop`` once the grammar is complete (``guided``). ``logprobs``: each new token comes with
+    its log-probability and the ``top_logprobs`` most likely tokens' (``logprobs``).
     """
 
     temperature: float = 1.0  # 0 = greedy
@@ -30,6 +36,9 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = ()  # generation ends after any of these (stored as a tuple)
     ignore_eos: bool = False  # keep going past the model's EOS tokens
     skip_special_tokens: bool = True  # passed to tokenizer.decode for the streamed text
+    grammar: str | None = None  # an llguidance grammar the output must match (None: free)
+    logprobs: bool = False  # report each token's log-probability
+    top_logprobs: int = 0  # ... and that of the this many most likely tokens (0-20)
 
     def __post_init__(self) -> None:
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -54,6 +63,12 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {t!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar must be a non-empty string or None, got {self.grammar!r}")
+        if not 0 <= self.top_logprobs <= 20 or (self.top_logprobs and not self.logprobs):
+            raise ValueError(
+                f"top_logprobs must be in [0, 20] with logprobs, got {self.top_logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -140,6 +155,7 @@ class Request:
         "error_code",
         "error_message",
         "finish_reason",
+        "matcher",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_prompt_tokens",
@@ -181,6 +197,7 @@ class Request:
         self.waiting_since_step = 0
         self.waiting_since_s = arrival_time
         self.finish_reason: FinishReason | None = None
+        self.matcher: Any = None  # its grammar's matcher (guided), set before it is scheduled
         self.error_code: str | None = None
         self.error_message: str | None = None
         self.timings = RequestTimings(arrival_time=arrival_time)

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalStatus, TokenEvent
-from tokenfleet.worker.engine.outputs import RequestOutput
+from tokenfleet.worker.engine.outputs import RequestOutput, TokenLogprob, TokenLogprobs
 from tokenfleet.worker.engine.request import SamplingParams
 from tokenfleet.worker.intake.jobs import Job
 from tokenfleet.worker.service.engine_port import EnginePort
@@ -114,8 +114,15 @@ class EngineAdapter:
             job = jobs.get(rid)
             if job is None:
                 continue
+            lps = out.new_logprobs
             events = [
-                TokenEvent(rid, out.first_index + i, tid, text)
+                TokenEvent(
+                    rid,
+                    out.first_index + i,
+                    tid,
+                    text,
+                    None if lps is None else wire_logprobs(lps[i]),
+                )
                 for i, (tid, text) in enumerate(zip(out.new_token_ids, out.new_texts, strict=True))
             ]
             if events:
@@ -164,10 +171,25 @@ def timings_dict(timings: Any) -> dict[str, float]:
     return out
 
 
+def wire_logprobs(lp: TokenLogprobs) -> dict[str, Any]:
+    """A token's logprobs as its event carries them (OpenAI's per-token object)."""
+    out = _entry(lp.chosen)
+    out["top_logprobs"] = [_entry(e) for e in lp.top]
+    return out
+
+
+def _entry(e: TokenLogprob) -> dict[str, Any]:
+    return {"token": e.token, "logprob": e.logprob, "bytes": list(e.bytes)}
+
+
 def engine_sampling_params(req: GenerationRequest) -> SamplingParams:
-    """The engine's ``SamplingParams`` for a wire request."""
+    """The engine's ``SamplingParams`` for a wire request (a structured-output constraint
+    becomes its grammar: ``Constraint.grammar``, checked when the request was submitted)."""
     s = req.sampling
     return SamplingParams(
+        grammar=None if s.structured is None else s.structured.grammar(),
+        logprobs=s.logprobs,
+        top_logprobs=s.top_logprobs,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,

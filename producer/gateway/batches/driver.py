@@ -50,7 +50,7 @@ from tokenfleet.producer.gateway.batches.objects import (
     RedisHash,
 )
 from tokenfleet.producer.gateway.batches.scripts import ADVANCE, LEASE, RECORD
-from tokenfleet.producer.gateway.responses import Framing, failure
+from tokenfleet.producer.gateway.responses import Framing, collect, failure
 from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancelling
 from tokenfleet.shared.errors import Overloaded, TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import Keys
@@ -281,7 +281,7 @@ class BatchDriver:
         while True:
             cancel_checkpoint()
             try:
-                text, terminal = await _collect(handle)
+                tokens, terminal = await _collect(handle)
                 break
             except redis.RedisError as exc:
                 raise_if_cancelling(exc)
@@ -293,7 +293,7 @@ class BatchDriver:
                 await self._record(i, "err", line)
                 return
         if terminal.status is TerminalStatus.DONE:
-            body = framing.response(text, terminal)
+            body = framing.response(tokens, terminal)
             await self._record(i, "ok", L.output_line(self.bid, i, custom_id or "", rid, body))
             return
         err = failure(terminal)
@@ -365,15 +365,13 @@ class BatchDriver:
             await acall(r, LEASE, [k.batch_lease(self.bid)], [self.cfg.token, 0])
 
 
-async def _collect(handle: AsyncHandle) -> tuple[str, TerminalEvent]:
-    """The request's text and terminal event (the handle is closed after)."""
-    texts: list[str] = []
+async def _collect(handle: AsyncHandle) -> tuple[list[TokenEvent], TerminalEvent]:
+    """The request's token events and terminal event (the handle is closed after)."""
     try:
-        async for event in handle.stream():
-            if isinstance(event, TokenEvent):
-                texts.append(event.text)
-            elif isinstance(event, TerminalEvent):
-                return "".join(texts), event
+        return await collect(handle)
+    except RuntimeError:  # no terminal event: followed again, like a lost connection
+        raise redis.ConnectionError(
+            f"the events of {handle.request_id} ended without a terminal"
+        ) from None
     finally:
         handle.close()
-    raise redis.ConnectionError(f"the events of {handle.request_id} ended without a terminal")
