@@ -203,8 +203,10 @@ def _structured(body: _Common, params: dict[str, Any]) -> None:
     try:
         constraint_of(**{keyword: value})
     except InvalidRequest as exc:
-        message = str(exc).replace(exc.param or keyword, param, 1)
-        raise ApiError(400, message, code="invalid_structured_output", param=param) from None
+        message, named = str(exc), exc.param or keyword
+        if param != "response_format":  # named as the body names it
+            message, named = message.replace(named, param, 1), param
+        raise ApiError(400, message, code="invalid_structured_output", param=named) from None
     params[keyword] = value
 
 

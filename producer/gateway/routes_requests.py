@@ -16,7 +16,7 @@ from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Caller, Gateway
 from tokenfleet.producer.gateway.identity import kind_of, owns
 from tokenfleet.producer.gateway.keepalive import event_stream
-from tokenfleet.producer.gateway.responses import Framing
+from tokenfleet.producer.gateway.responses import Framing, collect
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
 from tokenfleet.producer.gateway.streams import StreamState, parse_last_event_id, relay
 from tokenfleet.shared.errors import InvalidRequest, UnknownRequest
@@ -40,11 +40,22 @@ async def _record(gw: Gateway, caller: Caller, request_id: str) -> RequestRecord
 
 @router.get("/v1/requests/{request_id}")
 async def get_request(request: Request, request_id: str, caller: CallerDep) -> dict[str, Any]:
-    """The durable record: status, times, and once ended, text, finish reason and usage."""
-    record = await _record(gateway_of(request), caller, request_id)
+    """The durable record: status, times, and once ended, text, finish reason and usage; and,
+    when the request asked for logprobs, ``logprobs``: one OpenAI per-token object per token
+    (read from its stored token events)."""
+    gw = gateway_of(request)
+    record = await _record(gw, caller, request_id)
     out = record.to_dict()
     out["id"] = out.pop("request_id")
     out["object"] = "tokenfleet.request"
+    if record.status.is_terminal and record.num_tokens:
+        handle = gw.client.handle(request_id)
+        try:
+            tokens, _ = await collect(handle)
+        finally:
+            handle.close()
+        if any(t.logprobs is not None for t in tokens):
+            out["logprobs"] = [t.logprobs for t in tokens]
     return out
 
 

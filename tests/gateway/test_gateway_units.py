@@ -234,3 +234,64 @@ def test_drain_meter_samples_the_fleet_counters(redis_url: str) -> None:
             await client.aclose()
 
     assert asyncio.run(run()) == pytest.approx(7)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_structured_outputs_and_logprobs_become_submit_arguments() -> None:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}
+    sub = chat_submission(chat(**base, response_format=fmt, logprobs=True, top_logprobs=4), 9)
+    assert sub.params["response_format"] == fmt
+    assert (sub.params["logprobs"], sub.params["top_logprobs"]) == (True, 4)
+    assert (
+        "response_format"
+        not in chat_submission(chat(**base, response_format={"type": "text"}), 9).params
+    )
+    for so, keyword in (
+        ({"json": SCHEMA}, "json_schema"),
+        ({"regex": "[0-9]+"}, "regex"),
+        ({"choice": ["a", "b"]}, "choice"),
+        ({"grammar": 'start: "x"'}, "grammar"),
+        ({"json_object": True}, "response_format"),
+    ):
+        sub = chat_submission(chat(**base, structured_outputs=so), 9)
+        assert keyword in sub.params
+        comp = completion_submission(
+            CompletionBody.model_validate({"model": "m", "prompt": "x", "structured_outputs": so})
+        )
+        assert keyword in comp.params
+    comp = completion_submission(
+        CompletionBody.model_validate({"model": "m", "prompt": "x", "logprobs": 3})
+    )
+    assert (comp.params["logprobs"], comp.params["top_logprobs"]) == (True, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"structured_outputs": {"regex": "a("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs.json"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "response_format",
+        ),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+    ],
+)
+def test_bad_structured_outputs_and_logprobs_are_400s_naming_the_field(
+    fields: dict[str, Any], param: str
+) -> None:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ApiError) as info:
+        chat_submission(chat(**base, **fields), 9)
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
