@@ -169,6 +169,7 @@ def _schema_format() -> Any:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
 
 
+@pytest.mark.timeout(900)  # eight generations of up to 160 tokens on a shared 2-core machine
 def test_every_schema_output_validates_streamed_and_not(sdk: openai.OpenAI) -> None:
     outputs = []
     for i, city in enumerate(CITIES):
@@ -360,6 +361,7 @@ def test_logprobs_equal_hugging_faces_forward(
     assert all(len(t) <= 2 for t in lp.top_logprobs)
 
 
+@pytest.mark.timeout(900)
 def test_a_batch_of_json_schema_lines_yields_only_valid_outputs(sdk: openai.OpenAI) -> None:
     rows = [
         {
