@@ -24,6 +24,7 @@ from tokenfleet.worker.engine.config import EngineConfig, with_overrides
 from tokenfleet.worker.engine.detokenizer import IncrementalDetokenizer
 from tokenfleet.worker.engine.guided import (
     GRAMMAR_UNSATISFIABLE,
+    INVALID_GRAMMAR,
     GrammarCompiler,
     GrammarError,
     MaskFiller,
@@ -260,6 +261,10 @@ class Engine:
                 ready = future.result()
             except GrammarError as exc:
                 self._finish_now(req, FinishReason.ERROR, exc.code, str(exc))
+                continue
+            except Exception as exc:  # the library refused this tokenizer: this request's end
+                message = f"the grammar library cannot serve this request: {exc}"
+                self._finish_now(req, FinishReason.ERROR, INVALID_GRAMMAR, message)
                 continue
             if self._masks is None:
                 self._masks = MaskFiller(self.grammar_compiler().tokenizer().result())
