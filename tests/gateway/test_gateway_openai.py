@@ -202,7 +202,7 @@ def test_unknown_model_is_404(sdk: openai.OpenAI) -> None:
     ("kw", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"extra_body": {"bogus": 1}}, "bogus"),
