@@ -14,6 +14,7 @@ import redis
 
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
+from tokenfleet.producer.core.fleet_status import fleet_status
 from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
@@ -190,8 +191,15 @@ class Client(ClientCore[Handle]):
         return self._run(self._models())
 
     def queue_stats(self) -> list[QueueStats]:
-        """Every known queue: length, running, waiting, bound and policy (one snapshot)."""
+        """Every known queue: length, running, waiting, bound, policy and when its oldest
+        waiting request entered (one snapshot)."""
         return self._run(self._queue_stats())
+
+    def fleet_status(self) -> dict[str, Any]:
+        """The fleet at a glance as plain data: workers, queues (with their lag and their ends
+        per status), routed streams, models, dead letters, KV pools. What ``tokenfleet status
+        --json`` prints and the console shows (``core.fleet_status`` lists the fields)."""
+        return self._run(fleet_status(self))
 
     def queue_config(
         self, priority: str | Priority = "normal", model: str | None = None

@@ -11,6 +11,11 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:qcfg:M:L         hash: max_waiting, policy (the queue's bound and overflow policy)
     P:queues           set of "M|L" queue names that have ever been used
     P:drained          hash: "M|L" -> requests started from that queue so far (its drain rate)
+    P:tally            hash: "M|L|STATUS" -> requests of queue (M, L) that ended in STATUS so
+                       far, and "M|L|STATUS|S" -> "MINUTE COUNT" (S = MINUTE mod 2): the ends of
+                       the last two minutes (written by tf_finish; shared/tally.py reads it)
+    P:recent           list: the ids of the newest requests, newest first (at most
+                       RECENT_REQUESTS; written by the enqueue script, read by the console)
     P:req:ID           hash: the request's durable record
     P:req:ID:tok       list: token events, element i is the event with index i
     P:ch:ID            pub/sub channel of the request's events
@@ -218,6 +223,12 @@ class _QueueKeys(_Root):
         counter; its rate is the queue's drain rate, read by the gateway for Retry-After)."""
         return f"{self.root}:drained"
 
+    @property
+    def tally(self) -> str:
+        """Hash: how many requests of each queue ended in each terminal status, in all and in
+        each of the last two minutes (``shared.tally``)."""
+        return f"{self.root}:tally"
+
     @staticmethod
     def queue_member(model: str, priority: Priority) -> str:
         """The member naming a queue in :attr:`queues`."""
@@ -240,6 +251,11 @@ class _RequestKeys(_Root):
     def channel(self, request_id: str) -> str:
         """Pub/sub channel carrying the request's token and terminal events."""
         return f"{self.root}:ch:{request_id}"
+
+    @property
+    def recent(self) -> str:
+        """List: the newest requests' ids, newest first, trimmed to ``RECENT_REQUESTS``."""
+        return f"{self.root}:recent"
 
     @property
     def cancel_set(self) -> str:

@@ -76,7 +76,9 @@ class QueueStats:
 
     ``length`` = entries in the stream; ``running`` = delivered to a worker and not yet finished
     (the group's pending count); ``waiting`` = ``length - running``, what ``max_waiting`` bounds.
-    ``configured`` is False when the queue runs on the defaults.
+    ``configured`` is False when the queue runs on the defaults. ``oldest_waiting_at``: epoch
+    seconds at which the oldest waiting request entered the queue's streams (its stream entry's
+    id: Redis's clock; a handed-back request re-enters at the tail), None when none waits.
     """
 
     model: str
@@ -87,6 +89,12 @@ class QueueStats:
     max_waiting: int
     policy: OverflowPolicy
     configured: bool
+    oldest_waiting_at: float | None = None
+
+    def oldest_waiting_s(self, now: float) -> float:
+        """How long the oldest waiting request has waited at ``now`` (0 when none waits)."""
+        at = self.oldest_waiting_at
+        return max(0.0, now - at) if at is not None else 0.0
 
     def to_dict(self) -> dict[str, object]:
         """JSON-ready form."""
@@ -99,4 +107,5 @@ class QueueStats:
             "max_waiting": self.max_waiting,
             "policy": self.policy.value,
             "configured": self.configured,
+            "oldest_waiting_at": self.oldest_waiting_at,
         }

@@ -109,7 +109,7 @@ class AsyncDriver:
         pipe = self._slots.client(effect.commands[0].args[0]).pipeline(transaction=True)
         for c in effect.commands:
             c.command(pipe, *c.args)  # queued: an asyncio pipeline buffers commands
-        return await pipe.execute()
+        return await pipe.execute(raise_on_error=effect.raise_on_error)
 
     async def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""

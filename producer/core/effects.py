@@ -114,9 +114,12 @@ class Command:
 
 @dataclass(slots=True)
 class Transaction:
-    """Plain commands in one MULTI/EXEC pipeline. Reply: their replies, in order."""
+    """Plain commands in one MULTI/EXEC pipeline. Reply: their replies, in order; with
+    ``raise_on_error`` False a command's error reply (``XINFO`` of a stream that does not exist)
+    is a ``redis.ResponseError`` in its place instead of raised."""
 
     commands: tuple[Command, ...]
+    raise_on_error: bool = True
 
 
 @dataclass(slots=True)

@@ -127,7 +127,7 @@ def stats_rows(queues: Sequence[tuple[str, Priority]], reply: Sequence[Any]) -> 
     values = list(reply[1:])
     rows = []
     for i, (model, priority) in enumerate(queues):
-        length, pending, max_waiting, policy = values[4 * i : 4 * i + 4]
+        length, pending, max_waiting, policy, oldest = values[5 * i : 5 * i + 5]
         stored = {"max_waiting": as_str(max_waiting) or "", "policy": as_str(policy) or ""}
         config = QueueConfig.from_hash({k: v for k, v in stored.items() if v})
         running = int(pending)
@@ -141,9 +141,17 @@ def stats_rows(queues: Sequence[tuple[str, Priority]], reply: Sequence[Any]) -> 
                 max_waiting=config.max_waiting,
                 policy=config.policy,
                 configured=bool(stored["max_waiting"] or stored["policy"]),
+                oldest_waiting_at=stream_id_time(as_str(oldest) or ""),
             )
         )
     return rows
+
+
+def stream_id_time(entry_id: str) -> float | None:
+    """The epoch seconds at which Redis added the stream entry ``entry_id`` (its ``MS-SEQ`` id's
+    first part); None for "" or an id of another shape."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms) / 1000 if ms.isdigit() and seq.isdigit() else None
 
 
 def sorted_queues(members: Iterable[bytes | str]) -> list[tuple[str, Priority]]:

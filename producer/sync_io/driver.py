@@ -99,7 +99,7 @@ class SyncDriver:
         pipe = self._slots.client(effect.commands[0].args[0]).pipeline(transaction=True)
         for c in effect.commands:
             c.command(pipe, *c.args)
-        return pipe.execute()
+        return pipe.execute(raise_on_error=effect.raise_on_error)
 
     def _run_scripts(self, effect: RunScripts) -> list[Any]:
         """One round trip of ``EVALSHA``s packed by hiredis (see ``core/script_wire.py``)."""

@@ -44,6 +44,8 @@ def withdraw_keys_args(
         keys.channel(rid),
         keys.routed(model, priority, routed_to) if routed_to else keys.stream(model, priority),
         keys.cancel_set,
+        keys.tally,
+        keys.dead_letter,
     ]
     args = [
         rid,

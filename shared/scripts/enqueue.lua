@@ -2,10 +2,15 @@
 -- KEYS[3] = set of queue names           KEYS[4] = cancel set
 -- KEYS[5] = served models (sorted set: model -> expiry of its live servers' heartbeats)
 -- KEYS[6] = declared models (set)
--- KEYS[7 .. 6+R] = routing keys (R = ARGV[23]; none when 0): KEYS[7] = the model's routers
---   (sorted set), KEYS[8] = its load hash, then per candidate worker c = 1 .. C: its prefix set,
---   its routed stream of this queue; then the session keys the requests name (tf_route.lua)
--- KEYS[6+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
+-- KEYS[7] = queue ends hash (Keys.tally: evictions and reclaims count there, tf_finish.lua)
+-- KEYS[8] = dead-letter stream (Keys.dead_letter): passed to tf_finish, written only by an
+--   ``error`` end, which this script never makes
+-- KEYS[9] = recent requests list (Keys.recent): each new request's id is pushed at its head,
+--   and the list trimmed to ARGV[26] ids
+-- KEYS[10 .. 9+R] = routing keys (R = ARGV[23]; none when 0): KEYS[10] = the model's routers
+--   (sorted set), KEYS[11] = its load hash, then per candidate worker c = 1 .. C: its prefix
+--   set, its routed stream of this queue; then the session keys the requests name (tf_route.lua)
+-- KEYS[9+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
 -- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
 -- ARGV[3] = consumer group name          ARGV[4] = queue member name (model|label)
 -- ARGV[5] = model                        ARGV[6] = priority label
@@ -21,8 +26,9 @@
 --            whatever its policy: no eviction, no waiting)
 -- ARGV[22] = publish command for channels (PUBLISH, or SPUBLISH on a Redis Cluster)
 -- ARGV[23] = R, the number of routing keys   ARGV[24] = C, the number of candidate workers
--- ARGV[25] = session TTL (seconds)            ARGV[26 .. 25+C] = the candidates' names
--- ARGV[26+C ..] = sextuples: request id, encoded request, deadline (epoch seconds) or "",
+-- ARGV[25] = session TTL (seconds)            ARGV[26] = how many ids the recent list keeps
+-- ARGV[27 .. 26+C] = the candidates' names
+-- ARGV[27+C ..] = sextuples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
 --              (a generated id: no other request can carry it, so nothing to compare), the
 --              KEYS index of its session key or "" (none), its prefix chain (links separated
@@ -58,8 +64,9 @@
 -- @include tf_route.lua
 
 local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
-local J0 = 26 + C  -- the first request's ARGV
-if #KEYS ~= 6 + R + (#ARGV - J0 + 1) / 6 then
+local F = 9  -- the fixed keys before the routing keys
+local J0 = 27 + C  -- the first request's ARGV
+if #KEYS ~= F + R + (#ARGV - J0 + 1) / 6 then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
 end
 local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
@@ -84,7 +91,8 @@ local function end_waiting(from, sid, rid, status, template, message)
   local victim_record, victim_tokens, victim_channel = victim_keys(rid)
   tf_finish(victim_record, victim_tokens, victim_channel, from, KEYS[4], rid, status,
             event_for(template, rid), now, ttl, sid, group, '',
-            {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22])
+            {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22],
+            KEYS[7], KEYS[8], '0', '0')
 end
 
 local function field(entry, name)
@@ -137,7 +145,7 @@ if not expiry or tonumber(expiry) <= tonumber(now) then
 end
 if unserved then  -- nothing is written: existing ids still answer as they would
   local refused = {'ok'}
-  local k = 6 + R
+  local k = F + R
   for j = J0, #ARGV, 6 do
     k = k + 1
     local code, value = 'unserved', unserved
@@ -146,7 +154,7 @@ if unserved then  -- nothing is written: existing ids still answer as they would
     elseif redis.call('EXISTS', KEYS[k]) == 1 then
       code, value = existing(KEYS[k], ARGV[j], ARGV[j + 3])
     end
-    refused[#refused + 1] = k - 6 - R
+    refused[#refused + 1] = k - F - R
     refused[#refused + 1] = code
     refused[#refused + 1] = value
   end
@@ -182,14 +190,14 @@ local found = group_state(stream)
 if not found then
   redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
 end
-local router = new_router(7, {unpack(ARGV, 26, 25 + C)}, tonumber(now), ARGV[25], undelivered,
-                          ARGV[6])
+local router = new_router(F + 1, {unpack(ARGV, 27, 26 + C)}, tonumber(now), ARGV[25],
+                          undelivered, ARGV[6])
 local waiting = undelivered(stream) + router.waiting()
 local reclaimed = false
 
 -- the queue's streams whose waiting entries count: KEYS indices (shared, then routed)
 local counted = {1}
-for c = 1, C do counted[#counted + 1] = 8 + 2 * c end
+for c = 1, C do counted[#counted + 1] = F + 2 + 2 * c end
 
 local function id_less(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -231,9 +239,10 @@ local expire_at = string.format('%d', clock[1] * 1000 + math.floor(clock[2] / 10
 -- Which records exist: one EXISTS over all of the call's record keys says "none" in the usual
 -- case, and then no request needs its own (0.3 us each); an id repeated within the call is
 -- caught by `created`. Past 1000 keys (unpack's limit is near 8000) each request asks.
-local any_exist = #KEYS > 1006 + R
-  or (#KEYS > 6 + R and redis.call('EXISTS', unpack(KEYS, 7 + R)) > 0)
+local any_exist = #KEYS > 1000 + F + R
+  or (#KEYS > F + R and redis.call('EXISTS', unpack(KEYS, F + 1 + R)) > 0)
 local created = {}
+local fresh = {}  -- the ids enqueued anew, in order (the recent list)
 
 local out = {'ok'}
 local function answer(i, code, value)  -- a request that was not enqueued anew
@@ -241,15 +250,15 @@ local function answer(i, code, value)  -- a request that was not enqueued anew
   out[#out + 1] = code
   out[#out + 1] = value
 end
-local k = 6 + R
+local k = F + R
 for j = J0, #ARGV, 6 do
   local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
   k = k + 1
   local rec = KEYS[k]
   if #rid > 128 or not string.find(rid, ID_PATTERN) then  -- bad_id(rid), without the call
-    answer(k - 6 - R, 'invalid', BAD_ID)
+    answer(k - F - R, 'invalid', BAD_ID)
   elseif (any_exist or created[rid]) and redis.call('EXISTS', rec) == 1 then
-    answer(k - 6 - R, existing(rec, rid, fp))
+    answer(k - F - R, existing(rec, rid, fp))
   else
     if waiting >= max_waiting and not reclaimed then
       reclaimed = true
@@ -283,7 +292,7 @@ for j = J0, #ARGV, 6 do
     end
     local target = 1
     if chosen then
-      target = 8 + 2 * chosen
+      target = F + 2 + 2 * chosen
       if not group_state(KEYS[target]) then
         redis.call('XGROUP', 'CREATE', KEYS[target], group, '0', 'MKSTREAM')
       end
@@ -309,20 +318,25 @@ for j = J0, #ARGV, 6 do
         fields[n + 1] = 'route'
         fields[n + 2] = route
         fields[n + 3] = 'routed_to'
-        fields[n + 4] = ARGV[25 + chosen]
+        fields[n + 4] = ARGV[26 + chosen]
         n = n + 4
       end
       redis.call('HSET', rec, unpack(fields, 1, n))
       redis.call('PEXPIREAT', rec, expire_at)
       created[rid] = true
+      fresh[#fresh + 1] = rid
       waiting = waiting + 1
     elseif policy == 'block' and ARGV[21] == 'submit' then
-      answer(k - 6 - R, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
+      answer(k - F - R, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
     else
-      answer(k - 6 - R, 'overloaded', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting
+      answer(k - F - R, 'overloaded', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting
         .. ' waiting, policy ' .. policy .. ')')
     end
   end
 end
 redis.call('SADD', KEYS[3], ARGV[4])
+if #fresh > 0 then
+  redis.call('LPUSH', KEYS[9], unpack(fresh))
+  redis.call('LTRIM', KEYS[9], 0, tonumber(ARGV[26]) - 1)
+end
 return out

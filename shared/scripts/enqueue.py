@@ -45,6 +45,9 @@ from tokenfleet.shared.scripts.registry import load_lua
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
 # evicts or refuses (bounded work per call; docs/client.md, "Deadlines").
 RECLAIM_SCAN = 16
+# How many of the newest request ids the recent list (``Keys.recent``) keeps per lane: what the
+# console lists (bounded: one LPUSH and one LTRIM per enqueue call).
+RECENT_REQUESTS = 1_000
 ID_PLACEHOLDER = "tfid-placeholder"
 DROPPED_MESSAGE = "evicted from its full queue by a newer request (policy drop_oldest)"
 EXPIRED_MESSAGE = "its deadline passed before any worker started it"
@@ -111,7 +114,8 @@ def enqueue_keys_args(
     route: RouteTargets | None = None,
 ) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
-    keys and the fleet's two model keys, then one record key per item, in the items' order.
+    keys, the fleet's two model keys, the lane's tally and recent list, the routing keys, then
+    one record key per item, in the items' order.
 
     ``try_only`` refuses when the queue is full whatever its policy (``try_submit``). A request
     whose id the client chose carries its fingerprint (the idempotency check); one with a
@@ -154,6 +158,9 @@ def enqueue_keys_args(
         keys.cancel_set,
         keys.served,
         keys.declared,
+        keys.tally,
+        keys.dead_letter,
+        keys.recent,
     ]
     workers = route.workers if route is not None else ()
     route_keys: list[str] = []
@@ -162,7 +169,7 @@ def enqueue_keys_args(
         route_keys += [keys.routers(model), keys.route_load(model)]
         for w in workers:
             route_keys += [keys.prefixes(w), keys.routed(model, priority, w)]
-        base = 7 + len(route_keys)
+        base = len(key_list) + 1 + len(route_keys)
         for item in items:
             if item.session is not None:
                 name = keys.session(model_session_hash(model, item.session))
@@ -174,6 +181,7 @@ def enqueue_keys_args(
         str(len(route_keys)),
         str(len(workers)),
         str(route.session_ttl_s if route is not None else 0),
+        str(RECENT_REQUESTS),
         *workers,
     ]
     record = keys.record

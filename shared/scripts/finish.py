@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import orjson
 
+from tokenfleet.shared import dead_letters
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent
@@ -49,7 +50,9 @@ def finish_keys_args(
     into the record too; ``extra_fields`` adds more (e.g. the final ``text``). ``owner`` is the
     finishing worker's name when it runs the request (see the module's ownership guard).
     ``stream`` is the stream its entry is in (default: the shared stream of (model, priority));
-    an entry read from a worker's routed stream is acked and deleted there.
+    an entry read from a worker's routed stream is acked and deleted there. The end is counted
+    in the queue's tally (``shared.tally``); an ``error`` end copies the entry to the
+    dead-letter stream (``shared.dead_letters``).
     """
     rid = event.request_id
     fields: dict[str, str] = {
@@ -70,6 +73,8 @@ def finish_keys_args(
         CONSUMER_GROUP,
         owner,
         keys.publish_command,
+        str(dead_letters.PAYLOAD_BYTES),
+        str(dead_letters.MAXLEN),
     ]
     for name, value in fields.items():
         args += [name, value]
@@ -79,5 +84,7 @@ def finish_keys_args(
         keys.channel(rid),
         stream or keys.stream(model, priority),
         keys.cancel_set,
+        keys.tally,
+        keys.dead_letter,
     ]
     return key_list, args

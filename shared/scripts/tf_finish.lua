@@ -7,28 +7,69 @@
 -- "reach a terminal state". ``fields`` is a flat {name, value, ...} table of record fields;
 -- ``publish`` is the command that publishes on ``chan`` (each caller's ARGV gives it: PUBLISH,
 -- or SPUBLISH on a Redis Cluster, where a plain PUBLISH is broadcast to every node).
+-- Every transition is also counted in ``tally`` (the queue ends hash, Keys.tally: its request's
+-- queue and status, in all and in the current minute's slot, shared/tally.py); a request that
+-- ends ``error`` while its stream entry is still there leaves a copy of that entry in ``dead``
+-- (the dead-letter stream, Keys.dead_letter), with the reason, its payload cut to ``keep``
+-- bytes, the stream trimmed to about ``maxlen`` entries (shared/dead_letters.py), so that it
+-- can be looked at and requeued.
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal (the
 -- stream entry is still acked and deleted), or {"lost", holder} (nothing changed) if ``owner`` is
 -- set and the live record is held by someone else, or is gone and the end is ``done`` (a record
 -- Redis lost is never recreated as a truncated success; an error end is still written, so the
 -- client sees why its request ended).
+local function tf_count_end(tally, model, priority, status, now)
+  if not model or model == '' or not priority or priority == '' then return end
+  local base = model .. '|' .. priority .. '|' .. status
+  redis.call('HINCRBY', tally, base, 1)
+  local minute = math.floor(tonumber(now) / 60)
+  local slot = base .. '|' .. (minute % 2)
+  local held = redis.call('HGET', tally, slot)
+  local at, n = nil, 0
+  if held then at, n = string.match(held, '^(%d+) (%d+)$') end
+  if tonumber(at) == minute then n = tonumber(n) + 1 else n = 1 end
+  redis.call('HSET', tally, slot, string.format('%d %d', minute, n))
+end
+
+local function tf_keep_failed(dead, keep, maxlen, stream, sid, rid, holder, fields)
+  local entry = redis.call('XRANGE', stream, sid, sid)[1]
+  if not entry then return end
+  local payload, code, message = '', '', ''
+  for i = 1, #entry[2], 2 do
+    if entry[2][i] == 'd' then payload = entry[2][i + 1] end
+  end
+  for i = 1, #fields, 2 do
+    if fields[i] == 'code' then code = fields[i + 1] end
+    if fields[i] == 'message' then message = fields[i + 1] end
+  end
+  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', 'stream', stream,
+             'entry_id', sid, 'id', rid, 'reason', code .. ': ' .. message, 'worker', holder,
+             'd', string.sub(payload, 1, tonumber(keep)), 'size', tostring(#payload))
+end
+
 local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event, now, ttl,
-                         sid, group, owner, fields, publish)
-  local h = redis.call('HMGET', rec, 'status', 'worker')
+                         sid, group, owner, fields, publish, tally, dead, keep, maxlen)
+  local h = redis.call('HMGET', rec, 'status', 'worker', 'model', 'priority', 'ran_on')
   local current, holder = h[1], h[2] or ''
   local live = current == 'queued' or current == 'running'
   if owner ~= '' and ((not current and status == 'done') or (live and holder ~= owner)) then
     return {'lost', holder}  -- held by another, or gone (Redis lost it): no truncated success
   end
+  local terminal = current == 'done' or current == 'cancelled' or current == 'expired'
+      or current == 'dropped' or current == 'error'
   if sid ~= '' then
+    if status == 'error' and current and not terminal then
+      tf_keep_failed(dead, keep, maxlen, stream, sid, rid, holder ~= '' and holder or h[5] or '',
+                     fields)
+    end
     redis.call('XACK', stream, group, sid)
     redis.call('XDEL', stream, sid)
   end
   redis.call('SREM', cancel_set, rid)
-  if current == 'done' or current == 'cancelled' or current == 'expired'
-      or current == 'dropped' or current == 'error' then
+  if terminal then
     return {'already', current}
   end  -- a status no request has (a poisoned record) is overwritten like a live one
+  tf_count_end(tally, h[3], h[4], status, now)
   redis.call('HSET', rec, 'status', status, 'finished_at', now, 'worker', '')
   for i = 1, #fields, 2 do
     redis.call('HSET', rec, fields[i], fields[i + 1])

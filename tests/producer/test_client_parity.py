@@ -37,6 +37,7 @@ from tokenfleet.producer import (
     TerminalEvent,
     TokenEvent,
 )
+from tokenfleet.shared.queue_config import QueueStats
 from tokenfleet.shared.settings import Settings
 
 PROTOCOL_DUNDERS = frozenset(
@@ -274,6 +275,7 @@ def scenario() -> Iterator[Step]:
     yield Step("expired", lambda c: c.handle("e1").result(timeout=20))
     yield Step("expired status", lambda c: c.status("e1"))
     yield Step("stats at end", lambda c: c.queue_stats())
+    yield Step("fleet status at end", lambda c: c.fleet_status())
 
 
 def _first_two(handle: Any) -> Any:
@@ -311,6 +313,13 @@ def normalized(value: Any) -> Any:
         return {k: v for k, v in d.items() if k not in VOLATILE_RECORD_FIELDS}
     if isinstance(value, Result | TokenEvent | TerminalEvent):
         return value.to_dict()
+    if isinstance(value, QueueStats):  # when the oldest waits from: set or not
+        return dataclasses.replace(value, oldest_waiting_at=value.oldest_waiting_at is not None)
+    if isinstance(value, dict) and "workers" in value and "at" in value:  # fleet_status()
+        queues = [
+            {**q, "oldest_waiting_at": q["oldest_waiting_at"] is not None} for q in value["queues"]
+        ]
+        return {**value, "at": None, "queues": queues}
     return value
 
 

@@ -153,7 +153,7 @@ _SINGLE_KEY = frozenset(
         *("SPUBLISH",),
         *("XACK", "XDEL", "XADD", "XLEN", "XRANGE", "XREVRANGE", "XPENDING", "XCLAIM"),
         *("SADD", "SREM", "SISMEMBER", "SMEMBERS", "ZADD", "ZREM", "ZRANGE", "ZSCORE"),
-        *("ZRANGEBYSCORE", "HSETNX", "SMISMEMBER"),
+        *("ZRANGEBYSCORE", "HSETNX", "SMISMEMBER", "LTRIM"),
     }
 )
 

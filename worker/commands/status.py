@@ -6,9 +6,10 @@ on a line of its own ("waiting on model X: N requests, no live worker").
 A worker is listed when its heartbeat hash exists (it expires when the worker stops beating);
 names left in the ``P:workers`` sorted set without a heartbeat are shown as ``lapsed`` until
 live workers drop them (an hour after their last beat, ``service.heartbeat.LAPSED_KEEP_S``).
-``--json`` prints one JSON object; ``--watch SECONDS`` redraws until interrupted. Each queue in it
-carries its stream's name, consumer group, ``lag`` and ``pending`` from ``XINFO GROUPS``: the
-figure KEDA's redis-streams scaler reads (``stream_lag``; deploy/k8s).
+``--json`` prints one JSON object (``Client.fleet_status()``: its module,
+``producer.core.fleet_status``, lists the fields); ``--watch SECONDS`` redraws until
+interrupted. Each queue in it carries its stream's name, consumer group, ``lag`` and ``pending``
+from ``XINFO GROUPS``: the figure KEDA's redis-streams scaler reads (deploy/k8s).
 Routing (docs/routing.md): each model with a queue or a live worker gets a line with its workers
 and its waiting requests, shared and routed (``routed_status``); ``--json`` has the routed
 streams under ``routed`` and each model's live workers under ``models``.
@@ -50,112 +51,16 @@ def register(subparsers: Any) -> None:
 
 
 def snapshot(client: Any, settings: Any) -> dict[str, Any]:
-    """Workers and queues as plain data."""
+    """Workers, queues, routed streams, models, dead letters and pools as plain data: the one
+    reading ``Client.fleet_status()`` makes (``producer.core.fleet_status``), which the console
+    shows too."""
     from tokenfleet.producer import Client
-    from tokenfleet.shared.keys import Keys
-    from tokenfleet.worker.commands.lanes import lane_clients
-    from tokenfleet.worker.commands.routed_status import routed_rows
-    from tokenfleet.worker.commands.stream_lag import queue_lags
 
-    keys = Keys.for_settings(settings)
-    now = time.time()
     producer = Client(client, settings=settings)
     try:
-        queues = [q.to_dict() for q in producer.queue_stats()]
-        models = [m.to_dict() for m in producer.models()]
+        return producer.fleet_status()
     finally:
         producer.close()
-    workers: list[dict[str, Any]] = []
-    lapsed: list[str] = []
-    routed: list[dict[str, Any]] = []
-    dead = 0
-    with lane_clients(client, settings) as lanes:
-        for lane, lane_client in lanes:
-            _lane_workers(lane_client, lane, now, workers, lapsed)
-            mine = [q for q in queues if not lane.laned or q["model"] == lane.lane]
-            for queue, lag in zip(mine, queue_lags(lane_client, lane, mine), strict=True):
-                queue.update(lag)  # stream, consumer_group, lag, pending: what KEDA reads
-            routed += routed_rows(lane_client, lane, mine)
-            dead += lane_client.xlen(lane.dead_letter)
-    return {
-        "prefix": settings.key_prefix,
-        "workers": workers,
-        "lapsed_workers": lapsed,
-        "queues": queues,
-        "routed": routed,
-        "models": models,
-        "waiting_on_models": waiting_on_models(queues, models),
-        "dead_letters": dead,
-        "pools": _pools(client, keys),
-    }
-
-
-def _lane_workers(
-    client: Any, keys: Any, now: float, workers: list[dict[str, Any]], lapsed: list[str]
-) -> None:
-    """Add the workers of one lane (live ones as rows, lapsed ones by name)."""
-    from tokenfleet.shared.record import as_str
-
-    names = [as_str(n) or "" for n in client.zrange(keys.workers, 0, -1)]
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.hgetall(keys.worker(name))
-    for name, raw in zip(names, pipe.execute(), strict=True):
-        if not raw:
-            lapsed.append(name)
-            continue
-        h = {as_str(k): as_str(v) for k, v in raw.items()}
-        used, total = int(h.get("kv_blocks_used") or 0), int(h.get("kv_blocks_total") or 0)
-        workers.append(
-            {
-                "name": name,
-                "model": h.get("model", ""),
-                "priorities": h.get("priorities", ""),
-                "beat_age_s": round(now - float(h.get("beat_at") or now), 2),
-                "up_s": round(now - float(h.get("started_at") or now), 1),
-                "running": int(h.get("running") or 0),
-                "waiting": int(h.get("waiting") or 0),
-                "kv_blocks_used": used,
-                "kv_blocks_total": total,
-                "kv_usage": round(used / total, 3) if total else 0.0,
-                "tokens_total": int(h.get("tokens_total") or 0),
-                "stopping": h.get("stopping") == "1",
-                "redis_state": h.get("redis_state") or "ok",
-                "redis_outages": int(h.get("redis_outages") or 0),
-                "redis_outage_s": float(h.get("redis_outage_s") or 0.0),
-            }
-        )
-
-
-def waiting_on_models(
-    queues: list[dict[str, Any]], models: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """Models with waiting requests and no live worker: ``{model, waiting, declared}`` each,
-    by name (from the queue stats and ``Client.models()``, both as dicts)."""
-    served = {m["name"] for m in models if m["served"]}
-    declared = {m["name"] for m in models if m["declared"]}
-    waiting: dict[str, int] = {}
-    for q in queues:
-        if q["waiting"] > 0 and q["model"] not in served:
-            waiting[q["model"]] = waiting.get(q["model"], 0) + q["waiting"]
-    return [
-        {"model": name, "waiting": n, "declared": name in declared}
-        for name, n in sorted(waiting.items())
-    ]
-
-
-def _pools(client: Any, keys: Any) -> list[dict[str, Any]]:
-    """Every shared KV pool's snapshot (members, weights, held, entitlement, preemptions)."""
-    from tokenfleet.shared.errors import PoolError
-    from tokenfleet.worker.pool.admin import pool_names, pool_snapshot
-
-    views = []
-    for name in pool_names(client, keys):
-        try:
-            views.append(pool_snapshot(client, keys, name))
-        except PoolError:  # listed but deleted since
-            continue
-    return views
 
 
 def render(snap: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import time
 
 import redis
 
+from tokenfleet.shared import dead_letters
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
@@ -23,9 +24,6 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake.jobs import Entry
 
 log = logging.getLogger(__name__)
-
-DEAD_LETTER_MAXLEN = 10_000
-DEAD_LETTER_PAYLOAD_BYTES = 4_096
 
 
 class UnstartedOutcomes:
@@ -63,10 +61,36 @@ class UnstartedOutcomes:
         registry.call(self.client, FINISH, k, a)
 
     def dead_letter(self, entry: Entry, reason: str, request_id: str | None) -> None:
-        """Copy ``entry`` to the dead-letter stream, error its request if it has a readable id
-        whose record is absent or belongs to this entry, and ack+delete the entry."""
-        payload = entry.fields.get("d") or b""
+        """Copy ``entry`` to the dead-letter stream once, error its request if it has a readable
+        id whose record is absent or belongs to this entry, and ack+delete the entry. A record
+        of this entry's own is ended ``error`` through ``tf_finish``, which makes the copy (with
+        the reason) in the same atomic step; otherwise the copy is written here."""
         log.warning("dead-lettering entry %s of %s: %s", entry.entry_id, entry.stream, reason)
+        owner_entry, status = None, None
+        if request_id is not None:
+            held = self.client.hmget(self.keys.record(request_id), ["stream_id", "status"])
+            owner_entry, status = (as_str(v) for v in held)
+        live = status in (None, "queued", "running")  # (None: no record, or no status field)
+        mine = request_id is not None and owner_entry in ("", entry.entry_id) and live
+        if not mine:
+            self._copy(entry, reason, request_id)
+        if request_id is not None and (mine or owner_entry is None):  # its error end
+            self.finish_unstarted(
+                entry,
+                request_id,
+                TerminalStatus.ERROR,
+                "invalid_request",
+                f"the request could not be decoded: {reason}",
+            )
+            return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
+        pipe.xdel(entry.stream, entry.entry_id)
+        pipe.execute()
+
+    def _copy(self, entry: Entry, reason: str, request_id: str | None) -> None:
+        """Write ``entry`` to the dead-letter stream (``shared.dead_letters``' fields)."""
+        payload = entry.fields.get("d") or b""
         self.client.xadd(
             self.keys.dead_letter,
             {
@@ -75,24 +99,9 @@ class UnstartedOutcomes:
                 "id": request_id or "",
                 "reason": reason,
                 "worker": self.worker_name,
-                "d": payload[:DEAD_LETTER_PAYLOAD_BYTES],
+                "d": payload[: dead_letters.PAYLOAD_BYTES],
                 "size": str(len(payload)),
             },
-            maxlen=DEAD_LETTER_MAXLEN,
+            maxlen=dead_letters.MAXLEN,
             approximate=True,
         )
-        if request_id is not None:
-            owner_entry = as_str(self.client.hget(self.keys.record(request_id), "stream_id"))
-            if owner_entry in (None, "", entry.entry_id):
-                self.finish_unstarted(
-                    entry,
-                    request_id,
-                    TerminalStatus.ERROR,
-                    "invalid_request",
-                    f"the request could not be decoded: {reason}",
-                )
-                return
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xack(entry.stream, CONSUMER_GROUP, entry.entry_id)
-        pipe.xdel(entry.stream, entry.entry_id)
-        pipe.execute()

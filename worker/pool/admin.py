@@ -51,6 +51,12 @@ def pool_snapshot(client: Any, keys: Keys, name: str) -> dict[str, Any]:
     Raises ``PoolError`` if the pool does not exist.
     """
     reply = registry.call(client, POOL_INSPECT, pool_keys(keys, name), [])
+    return pool_view(name, reply)
+
+
+def pool_view(name: str, reply: list[Any]) -> dict[str, Any]:
+    """A checked ``POOL_INSPECT`` reply as :func:`pool_snapshot` returns it (no I/O: the fleet
+    status plan, ``producer.core.fleet_status``, runs the script on either client face)."""
     view: dict[str, Any] = orjson.loads(reply[1])
     view["name"] = name
     # cjson writes an empty Lua table as {}: normalise the lists.

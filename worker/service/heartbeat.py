@@ -217,15 +217,26 @@ class Heartbeat:
 
 
 def worker_stats(
-    ws: Any, engine: Any, *, running: int, kv_total: int, tokens_total: int, stopping: bool
+    ws: Any,
+    engine: Any,
+    *,
+    running: int,
+    kv_total: int,
+    tokens_total: int,
+    stopping: bool,
+    metrics: Any = None,
 ) -> dict[str, Any]:
-    """The stats a beat carries (``tokenfleet status`` shows them): model, priorities, running
-    and waiting requests, KV blocks (before the first step the engine's free blocks are its
-    total), tokens published, whether the worker is stopping."""
+    """The stats a beat carries (``tokenfleet status`` and the console show them): model, the
+    engine's device, priorities, running and waiting requests, KV blocks (before the first step
+    the engine's free blocks are its total), tokens published and per second (``metrics``' own
+    window), whether the worker is stopping, and its last error ("CODE: message", with its
+    time) once it met one."""
     cap = engine.capacity()
     used = engine.last_step_stats.num_kv_blocks_used
-    return {
+    device = getattr(getattr(engine, "runner", None), "device", None) or ws.device or ""
+    stats: dict[str, Any] = {
         "model": ws.model_name,
+        "device": str(device),
         "priorities": ",".join(p.label for p in ws.priorities),
         "running": running,
         "waiting": cap.num_waiting,
@@ -234,3 +245,8 @@ def worker_stats(
         "tokens_total": tokens_total,
         "stopping": int(stopping),
     }
+    if metrics is not None:
+        stats["tokens_per_s"] = round(metrics.tokens_per_s, 1)
+        if metrics.last_error is not None:
+            stats["last_error_at"], stats["last_error"] = metrics.last_error
+    return stats

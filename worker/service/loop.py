@@ -379,6 +379,7 @@ class WorkerService:
             kv_total=self._kv_total,
             tokens_total=self._tokens_total,
             stopping=self.stop_requested,
+            metrics=self.metrics,
         )
         pool = {f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}
         outage = {

@@ -8,6 +8,7 @@ Each worker owns its own ``CollectorRegistry`` (no module-level globals), expose
 from __future__ import annotations
 
 import functools
+import time
 from collections import deque
 from typing import Any
 
@@ -32,6 +33,7 @@ LATENCY_BUCKETS = (
     120.0,
     300.0,
 )
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0)
 THROUGHPUT_WINDOW_S = 10.0
 
@@ -154,12 +156,23 @@ class WorkerMetrics:
             m,
             registry=r,
         )
+        self.step_time = Histogram(
+            "tokenfleet:engine_step_seconds",
+            "Duration of one engine step (schedule, forward pass, sampling).",
+            m,
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        # the last error this worker met, for its heartbeat (``tokenfleet status``, the
+        # console): (epoch seconds, "CODE: message"); None before the first
+        self.last_error: tuple[float, str] | None = None
         self._window: deque[tuple[float, int]] = deque()
         self._window_tokens = 0
         # the step gauges' children, looked up once (labels() takes a lock and hashes each time)
         self._preemptions = self.preemptions.labels(model_name)
         self._prefix_hits = self.prefix_hits.labels(model_name)
         self._steps_cut = self.steps_cut.labels(model_name)
+        self._step_time = self.step_time.labels(model_name)
         # what the step gauges show when scraped; written by the loop (a dict store is atomic)
         self._gauges: dict[str, float] = dict.fromkeys(
             ("running", "waiting", "kv_usage", "throughput"), 0.0
@@ -183,6 +196,9 @@ class WorkerMetrics:
         """After each step: gauges, preemptions, prefix hits, the throughput window."""
         gauges = self._gauges
         if stats is not None:
+            duration = getattr(stats, "duration_s", 0.0)
+            if duration > 0:
+                self._step_time.observe(duration)
             preempted = getattr(stats, "num_preemptions", 0)
             if preempted:
                 self._preemptions.inc(preempted)
@@ -203,6 +219,16 @@ class WorkerMetrics:
         span = now - self._window[0][0] if len(self._window) > 1 else 0.0
         gauges["throughput"] = self._window_tokens / span if span > 0 else 0.0
 
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last ``THROUGHPUT_WINDOW_S`` (the gauge's value,
+        which the heartbeat carries too)."""
+        return self._gauges["throughput"]
+
+    def note_error(self, what: str, now: float | None = None) -> None:
+        """Remember ``what`` ("CODE: message") as the last error (the heartbeat shows it)."""
+        self.last_error = (time.time() if now is None else now, what[:500])
+
     def observe_tokens(self, priority: Priority, n: int) -> None:
         """``n`` tokens published for requests of ``priority`` (the loop sums them per step)."""
         child = self._generation_tokens.get(priority)
@@ -219,8 +245,12 @@ class WorkerMetrics:
         finish_reason: str | None,
         num_prompt_tokens: int,
         timings: dict[str, float],
+        error: str = "",
     ) -> None:
-        """A request this worker ran reached a terminal state."""
+        """A request this worker ran reached a terminal state (``error``: "CODE: message" of an
+        ``error`` end, noted as the last error)."""
+        if error:
+            self.note_error(error)
         labels = (self.model_name, priority.label)
         self.finished.labels(*labels, status, finish_reason or "").inc()
         self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)
@@ -241,6 +271,8 @@ class WorkerMetrics:
     def observe_outcome(self, priority: Priority, kind: str) -> None:
         """An entry that never ran: ``expired``, ``dead_letter``, ``worker_lost``, ``claimed``."""
         labels = (self.model_name, priority.label)
+        if kind in ("dead_letter", "worker_lost"):
+            self.note_error(f"{kind}: an entry of the {priority.label} queue could not run")
         if kind == "expired":
             self.expired.labels(*labels).inc()
         elif kind == "claimed":

@@ -184,6 +184,7 @@ class Outbox:
                 ev.finish_reason,
                 ev.usage.get("prompt_tokens", 0),
                 ev.timings,
+                error=f"{ev.code}: {ev.message}" if ev.status is TerminalStatus.ERROR else "",
             )
         for rid in result.lost:
             if table.remove(rid) is not None:

@@ -48,6 +48,7 @@ class StepFailures:
         self.outbox.flush()
         self.feed.resolve_early(set(table.early))  # early ones become jobs or leave the engine
         self.in_a_row += 1
+        self.outbox.metrics.note_error(f"engine_error: {type(exc).__name__}: {exc}")
         log.exception(
             "worker %s: engine step failed (%d in a row); ending its %d requests "
             "with error/engine_error",

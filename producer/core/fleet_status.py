@@ -1,0 +1,228 @@
+"""The fleet at a glance, as one plan: what ``tokenfleet status --json`` prints
+(``Client.fleet_status()``) and what the console shows (``AsyncClient.fleet_status()``), so the
+two cannot disagree: one reading, two faces.
+
+The snapshot (a dict of plain data; README "tokenfleet status" has the table form):
+
+* ``at``: the epoch seconds the snapshot was taken (ages below are at that moment);
+* ``workers``: each live worker's heartbeat (``service.heartbeat``): model, device, beat age,
+  running and waiting requests, KV blocks, tokens published and tokens/s, its Redis state and
+  outages, its last error; ``lapsed_workers``: names left without a heartbeat;
+* ``queues``: ``Client.queue_stats()``'s rows, each with its shared stream's ``lag`` and
+  ``pending`` as KEDA's redis-streams scaler reads them (``XINFO GROUPS``: ``lag`` is None when
+  Redis cannot compute it, e.g. after a drop-oldest eviction) and its terminal ends
+  (``shared.tally``: total and per minute, per status);
+* ``routed``: per (model, priority, routed worker), the waiting and running entries of that
+  worker's routed stream (README "Routing"); ``models``: ``Client.models()``;
+  ``waiting_on_models``: models with waiting requests and no live worker;
+* ``dead_letters``: the dead-letter streams' lengths, summed; ``pools``: each shared KV pool as
+  its read-only inspect script sees it (docs/kv_pools.md).
+
+Reads only, each bounded by the fleet's shape (queues, workers, routed workers, pools), never by
+how many requests wait: lengths come from ``XLEN`` and ``XINFO``, the oldest waiting entry from
+one ``XRANGE ... COUNT 1`` per stream (``queue_stats.lua``); no ``KEYS``, no ``SCAN``. On a
+cluster it goes lane by lane (``core.lanes``), every effect inside one lane's slot.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from redis.commands.core import (
+    HashCommands,
+    SetCommands,
+    SortedSetCommands,
+    StreamCommands,
+)
+
+from tokenfleet.producer.core.effects import Command, Plan, RunScript, Transaction
+from tokenfleet.producer.core.fleet_views import FleetViews
+from tokenfleet.shared.errors import PoolError
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.record import as_str
+from tokenfleet.shared.tally import no_ends, queue_ends
+
+
+def fleet_status(views: FleetViews) -> Plan[dict[str, Any]]:
+    """The snapshot described in the module docstring."""
+    now = time.time()
+    queues = [q.to_dict() for q in (yield from views._queue_stats())]
+    models = [m.to_dict() for m in (yield from views._models())]
+    workers: list[dict[str, Any]] = []
+    lapsed: list[str] = []
+    routed: list[dict[str, Any]] = []
+    dead = 0
+    for keys in (yield from views._lane_keys()):
+        mine = [q for q in queues if not keys.laned or q["model"] == keys.lane]
+        yield from _lane_workers(keys, now, workers, lapsed)
+        yield from _lane_queues(keys, mine, now)
+        routed += yield from _routed_rows(keys, mine, now)
+        dead += yield Command(StreamCommands.xlen, (keys.dead_letter,))
+    return {
+        "prefix": views._keys.prefix,
+        "at": now,
+        "workers": workers,
+        "lapsed_workers": lapsed,
+        "queues": queues,
+        "routed": routed,
+        "models": models,
+        "waiting_on_models": waiting_on_models(queues, models),
+        "dead_letters": dead,
+        "pools": (yield from _pools(views._keys.fleet)),
+    }
+
+
+def worker_row(name: str, raw: dict[Any, Any], now: float) -> dict[str, Any]:
+    """One worker's heartbeat hash as a status row (fields: ``service.heartbeat``)."""
+    h = {as_str(k): as_str(v) for k, v in raw.items()}
+    used, total = int(h.get("kv_blocks_used") or 0), int(h.get("kv_blocks_total") or 0)
+    return {
+        "name": name,
+        "model": h.get("model", ""),
+        "device": h.get("device") or "",
+        "priorities": h.get("priorities", ""),
+        "beat_age_s": round(now - float(h.get("beat_at") or now), 2),
+        "up_s": round(now - float(h.get("started_at") or now), 1),
+        "running": int(h.get("running") or 0),
+        "waiting": int(h.get("waiting") or 0),
+        "kv_blocks_used": used,
+        "kv_blocks_total": total,
+        "kv_usage": round(used / total, 3) if total else 0.0,
+        "tokens_total": int(h.get("tokens_total") or 0),
+        "tokens_per_s": round(float(h.get("tokens_per_s") or 0.0), 1),
+        "stopping": h.get("stopping") == "1",
+        "redis_state": h.get("redis_state") or "ok",
+        "redis_outages": int(h.get("redis_outages") or 0),
+        "redis_outage_s": float(h.get("redis_outage_s") or 0.0),
+        "last_error": h.get("last_error") or "",
+        "last_error_at": float(h.get("last_error_at") or 0) or None,
+        "pool": h.get("pool_name") or "",
+    }
+
+
+def _lane_workers(
+    keys: Keys, now: float, workers: list[dict[str, Any]], lapsed: list[str]
+) -> Plan[None]:
+    """Add the workers of one lane (live ones as rows, lapsed ones by name)."""
+    listed = yield Command(SortedSetCommands.zrange, (keys.workers, 0, -1))
+    names = [as_str(n) or "" for n in listed]
+    if not names:
+        return
+    beats = yield Transaction(
+        tuple(Command(HashCommands.hgetall, (keys.worker(n),)) for n in names)
+    )
+    for name, raw in zip(names, beats, strict=True):
+        if raw:
+            workers.append(worker_row(name, raw, now))
+        else:
+            lapsed.append(name)
+
+
+def _lane_queues(keys: Keys, queues: list[dict[str, Any]], now: float) -> Plan[None]:
+    """Add each queue's lag and pending (``XINFO GROUPS`` of its shared stream: KEDA's figure)
+    and its ends (``Keys.tally``) to its row."""
+    streams = [keys.stream(q["model"], Priority.parse(q["priority"])) for q in queues]
+    reads = [Command(StreamCommands.xinfo_groups, (s,)) for s in streams]
+    replies = yield Transaction(
+        (Command(HashCommands.hgetall, (keys.tally,)), *reads), raise_on_error=False
+    )
+    ends = queue_ends(replies[0] if isinstance(replies[0], dict) else {}, now)
+    for q, stream, groups in zip(queues, streams, replies[1:], strict=True):
+        lag: int | None = 0
+        pending = 0
+        if not isinstance(groups, redis.ResponseError):  # no such stream yet: nothing queued
+            for group in groups:
+                info = {as_str(k): v for k, v in group.items()}
+                if as_str(info.get("name")) == CONSUMER_GROUP:
+                    raw = info.get("lag")
+                    lag = None if raw is None else int(raw)
+                    pending = int(info.get("pending") or 0)
+        q.update(stream=stream, consumer_group=CONSUMER_GROUP, lag=lag, pending=pending)
+        q["ended"] = ends.get((q["model"], q["priority"])) or no_ends()
+
+
+def _routed_rows(keys: Keys, queues: list[dict[str, Any]], now: float) -> Plan[list[Any]]:
+    """One row per (model, priority, routed worker): ``waiting`` (undelivered) and ``running``
+    (pending) entries of that worker's routed stream; ``live``: a routing target now. Every
+    worker in the model's routers set counts, live or lapsed: a lapsed worker's routed entries
+    still wait there until another worker steals or claims them."""
+    models = sorted({q["model"] for q in queues})
+    if not models:
+        return []
+    listed = yield Transaction(
+        tuple(
+            Command(SortedSetCommands.zrange, (keys.routers(m), 0, -1, False, True)) for m in models
+        )
+    )
+    routers = dict(zip(models, listed, strict=True))
+    wanted = [
+        (q["model"], Priority.parse(q["priority"]), as_str(name) or "", float(score) > now)
+        for q in queues
+        for name, score in routers[q["model"]]
+    ]
+    if not wanted:
+        return []
+    reads: list[Command] = []
+    for model, p, name, _ in wanted:
+        stream = keys.routed(model, p, name)
+        reads += [
+            Command(StreamCommands.xlen, (stream,)),
+            Command(StreamCommands.xpending, (stream, CONSUMER_GROUP)),
+        ]
+    replies = yield Transaction(tuple(reads), raise_on_error=False)
+    rows = []
+    for i, (model, p, name, live) in enumerate(wanted):
+        length, pending = replies[2 * i], replies[2 * i + 1]
+        length = length if isinstance(length, int) else 0
+        running = int(pending.get("pending", 0)) if isinstance(pending, dict) else 0
+        rows.append(
+            {
+                "model": model,
+                "priority": p.label,
+                "worker": name,
+                "live": live,
+                "waiting": length - running,
+                "running": running,
+            }
+        )
+    return rows
+
+
+def waiting_on_models(
+    queues: list[dict[str, Any]], models: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Models with waiting requests and no live worker: ``{model, waiting, declared}`` each,
+    by name (from the queue stats and ``Client.models()``, both as dicts)."""
+    served = {m["name"] for m in models if m["served"]}
+    declared = {m["name"] for m in models if m["declared"]}
+    waiting: dict[str, int] = {}
+    for q in queues:
+        if q["waiting"] > 0 and q["model"] not in served:
+            waiting[q["model"]] = waiting.get(q["model"], 0) + q["waiting"]
+    return [
+        {"model": name, "waiting": n, "declared": name in declared}
+        for name, n in sorted(waiting.items())
+    ]
+
+
+def _pools(keys: Keys) -> Plan[list[dict[str, Any]]]:
+    """Every shared KV pool as its inspect script sees it (members, weights, holdings, caps).
+
+    The pool wing is the worker's (``tokenfleet.worker.pool``): its accounting rules live once,
+    in its Lua; this reader borrows its read-only inspect script and the parse of its reply
+    (neither imports torch), rather than restating either."""
+    from tokenfleet.worker.pool.admin import pool_view
+    from tokenfleet.worker.pool.scripts import POOL_INSPECT, pool_keys
+
+    names = sorted(as_str(n) or "" for n in (yield Command(SetCommands.smembers, (keys.pools,))))
+    views = []
+    for name in names:
+        try:
+            reply = yield RunScript(POOL_INSPECT, pool_keys(keys, name), [])
+        except PoolError:  # listed but deleted since
+            continue
+        views.append(pool_view(name, reply))
+    return views
