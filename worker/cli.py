@@ -4,8 +4,8 @@ Each command module defines ``register(subparsers) -> None`` that adds its parse
 ``func`` (a callable taking the parsed namespace and returning an exit code); ``COMMANDS`` lists
 those ``register`` functions, imported by name below, in the order ``--help`` shows them. The
 commands come from three places: the producer's (``submit``, ``get``, ``follow``, ``cancel``,
-``queues``, ``keys``), the service's (``worker``, ``models``, ``status``, ``pool``) and the dev
-tooling's (``demo``, ``make-tiny-model``, ``bench``).
+``queues``, ``serve``, ``console``, ``keys``), the service's (``worker``, ``models``,
+``status``, ``pool``) and the dev tooling's (``demo``, ``make-tiny-model``, ``bench``).
 
 Invariant: importing this module imports no torch or transformers. Command modules import heavy
 dependencies inside ``func``, never at import time, so ``tokenfleet submit`` works in the base
@@ -27,7 +27,17 @@ from typing import Any
 
 import redis
 
-from tokenfleet.producer.commands import batch, cancel, follow, get, keys, queues, serve, submit
+from tokenfleet.producer.commands import (
+    batch,
+    cancel,
+    console,
+    follow,
+    get,
+    keys,
+    queues,
+    serve,
+    submit,
+)
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
 from tokenfleet.worker.devtools.commands import bench, demo, make_tiny_model
@@ -44,6 +54,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     cancel.register,
     queues.register,
     serve.register,
+    console.register,
     batch.register,
     keys.register,
     status.register,

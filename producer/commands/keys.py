@@ -42,6 +42,13 @@ def register(subparsers: Any) -> None:
     )
     c.add_argument("--rpm", type=int, default=0, help="requests per minute (default 0: no limit)")
     c.add_argument("--tpm", type=int, default=0, help="tokens per minute (default 0: no limit)")
+    c.add_argument(
+        "--role",
+        choices=["user", "viewer", "admin"],
+        default="user",
+        help="user: the OpenAI API only (default); viewer: also read the fleet console; "
+        "admin: also cancel, requeue and discard there",
+    )
     c.add_argument("--json", action="store_true", help="print JSON (the key included)")
     add_redis_flags(c)
     c.set_defaults(func=create_func)
@@ -81,7 +88,11 @@ def create_func(args: argparse.Namespace) -> int:
     client, admin = _admin(args)
     try:
         presented, key = admin.create(
-            args.name, priority_ceiling=args.priority_ceiling, rpm=args.rpm, tpm=args.tpm
+            args.name,
+            priority_ceiling=args.priority_ceiling,
+            rpm=args.rpm,
+            tpm=args.tpm,
+            role=args.role,
         )
     finally:
         client.close()
@@ -91,7 +102,7 @@ def create_func(args: argparse.Namespace) -> int:
     print(
         f"created API key {key.name} (id {key.key_id}): priority ceiling "
         f"{key.priority_ceiling.label}, {_limit(key.rpm)} requests/min, "
-        f"{_limit(key.tpm)} tokens/min\n\n"
+        f"{_limit(key.tpm)} tokens/min, role {key.role.value}\n\n"
         f"    {presented}\n\n"
         "This is the only time it is shown (Redis keeps only its hash): store it now.\n"
         f"Send it with each request:  Authorization: Bearer {presented}\n"
@@ -113,11 +124,12 @@ def list_func(args: argparse.Namespace) -> int:
     if not keys:
         print("no API keys (create one with: tokenfleet keys create --name NAME)")
         return 0
-    header = ("ID", "NAME", "CEILING", "RPM", "TPM", "CREATED", "REVOKED")
+    header = ("ID", "NAME", "ROLE", "CEILING", "RPM", "TPM", "CREATED", "REVOKED")
     table = [header] + [
         (
             k.key_id,
             k.name,
+            k.role.value,
             k.priority_ceiling.label,
             _limit(k.rpm),
             _limit(k.tpm),

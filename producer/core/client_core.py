@@ -156,6 +156,12 @@ class ClientCore(FleetViews, ABC, Generic[H]):
         self, prompt: Any, params: dict[str, Any], *, timeout: float | None, try_only: bool
     ) -> Plan[H]:
         prepared = prepare(self.settings, now=time.time(), prompt=prompt, **params)
+        return (yield from self._submit_prepared(prepared, timeout=timeout, try_only=try_only))
+
+    def _submit_prepared(
+        self, prepared: Prepared, *, timeout: float | None, try_only: bool
+    ) -> Plan[H]:
+        """Enqueue one prepared request (``_submit``'s, or a requeued dead letter's)."""
         if self._subscriber.closed:  # before the enqueue: a refused submit leaves no request
             raise redis.ConnectionError("the client is closed")
         keys = self._keys.for_model(prepared.model)

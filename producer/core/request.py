@@ -131,9 +131,13 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
         unknown = ", ".join(sorted(set(params) - SUBMIT_FIELDS))
         raise InvalidRequest(f"unknown request parameter(s): {unknown}")
     request = build(settings, now=now, **params)
-    prepared = Prepared.of(
-        request, settings.max_payload_bytes, chosen_id=params.get("request_id") is not None
-    )
+    return prepared_for(settings, request, chosen_id=params.get("request_id") is not None)
+
+
+def prepared_for(settings: Settings, request: GenerationRequest, *, chosen_id: bool) -> Prepared:
+    """``request`` encoded for the enqueue script, with what routing needs (its session key;
+    what its prefix chain is computed from): a submit's, or a dead letter's being requeued."""
+    prepared = Prepared.of(request, settings.max_payload_bytes, chosen_id=chosen_id)
     if settings.routing != "off":
         prepared.session = session_of(request.metadata)
     if settings.routing == "prefix":  # the chain needs the model's tokenizer: the client adds it

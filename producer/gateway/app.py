@@ -3,7 +3,8 @@
 The lifespan opens one Redis connection pool and one ``AsyncClient`` per process, starts the
 drain sampler, and closes them at shutdown. Errors of every kind leave in the OpenAI shape
 (``errors``); bodies over ``max_body_bytes`` are refused by ``limits.BodyLimit`` before any
-parsing; every answer is counted by route and status code (``GET /metrics``).
+parsing; every answer is counted by route and status code (``GET /metrics``). With
+``console`` on (the default) it also serves the fleet console at ``/console`` (docs/console.md).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.gateway import routes_batches, routes_openai, routes_requests
 from tokenfleet.producer.gateway.auth import ApiKeyStore
 from tokenfleet.producer.gateway.batches.runner import BatchRunner
+from tokenfleet.producer.gateway.console.app import mount_console, open_console
 from tokenfleet.producer.gateway.drain import DrainMeter
 from tokenfleet.producer.gateway.errors import ApiError, error_body, from_tokenfleet
 from tokenfleet.producer.gateway.gateway import Gateway
@@ -64,6 +66,16 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
             store=gateway.batches,
         )
         app.state.gateway = gateway
+        console = None
+        if gateway_settings.console == "on":
+            console = open_console(
+                app,
+                client,
+                redis_client,
+                gateway.batches,
+                store,
+                gateway_settings.console_refresh_s,
+            )
         loop = asyncio.get_running_loop()
         background = [
             loop.create_task(drain.run()),
@@ -73,6 +85,8 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
         try:
             yield
         finally:
+            if console is not None:
+                await console.feed.close()
             for task in background:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -89,6 +103,8 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
     app.include_router(routes_openai.router)
     app.include_router(routes_requests.router)
     app.include_router(routes_batches.router)
+    if gateway_settings.console == "on":
+        mount_console(app)
     _install_error_handlers(app)
 
     @app.get("/metrics", include_in_schema=False)

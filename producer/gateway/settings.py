@@ -17,6 +17,7 @@ from tokenfleet.shared.declared_settings import label, setting
 from tokenfleet.shared.errors import SettingsError
 
 DISCONNECT_MODES = ("cancel", "continue")
+CONSOLE_MODES = ("on", "off")
 AUTH_MODES = ("off", "required")
 # How often each gateway process re-reads the fleet's model list (live workers, declarations) in
 # the background. A constant: requests never wait on it (they check models against the copy),
@@ -102,6 +103,24 @@ class GatewaySettings:
         help="how long a batch this process drives stays its own without a renewal: another "
         "gateway takes a batch over this long after its driver died (milliseconds)",
     )
+    console: str = setting(
+        "on",
+        env="TOKENFLEET_GATEWAY_CONSOLE",
+        flag="--console",
+        choices=CONSOLE_MODES,
+        help="on: serve the fleet console at /console (a live page of queues, workers, KV pools, "
+        "requests, batches and dead letters; with --auth required it needs a viewer or admin "
+        "key); off: not",
+        see=("The fleet console", "console.md"),
+    )
+    console_refresh_s: float = setting(
+        1.0,
+        env="TOKENFLEET_GATEWAY_CONSOLE_REFRESH_S",
+        flag="--console-refresh-s",
+        help="seconds between the console's readings of the fleet: one reading per period for "
+        "every console open on the process, none while no console is open",
+        see=("The fleet console", "console.md"),
+    )
     processes: int = setting(
         1,
         flag="--processes",
@@ -142,6 +161,15 @@ class GatewaySettings:
         if self.submit_wait_s < 0:
             raise SettingsError(
                 f"{label(cls, 'submit_wait_s')} must be >= 0, got {self.submit_wait_s}"
+            )
+        if self.console not in CONSOLE_MODES:
+            raise SettingsError(
+                f"{label(cls, 'console')} must be 'on' or 'off', got {self.console!r}"
+            )
+        if not 0.1 <= self.console_refresh_s <= 3600:
+            raise SettingsError(
+                f"{label(cls, 'console_refresh_s')} must be in [0.1, 3600], "
+                f"got {self.console_refresh_s}"
             )
 
     @property

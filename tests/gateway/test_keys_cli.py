@@ -50,17 +50,19 @@ def test_create_list_revoke(
     assert main(["keys", "create", "--name", "web", *url]) == 1
     assert "an API key named web already exists" in capsys.readouterr().err
 
-    assert main(["keys", "create", "--name", "cron", "--json", *url]) == 0
+    assert main(["keys", "create", "--name", "cron", "--role", "viewer", "--json", *url]) == 0
     created = orjson.loads(capsys.readouterr().out)
     assert created["api_key"].startswith(f"tf-{created['key_id']}-")
     assert (created["name"], created["priority_ceiling"], created["rpm"]) == ("cron", "normal", 0)
+    assert created["role"] == "viewer"
 
     assert main(["keys", "list", *url]) == 0
     table = capsys.readouterr().out
     lines = table.splitlines()
-    assert lines[0].split() == ["ID", "NAME", "CEILING", "RPM", "TPM", "CREATED", "REVOKED"]
-    assert lines[1].split()[:5] == [key.key_id, "web", "batch", "60", "5000"]
-    assert lines[2].split()[1:5] == ["cron", "normal", "unlimited", "unlimited"]
+    header = ["ID", "NAME", "ROLE", "CEILING", "RPM", "TPM", "CREATED", "REVOKED"]
+    assert lines[0].split() == header
+    assert lines[1].split()[:6] == [key.key_id, "web", "user", "batch", "60", "5000"]
+    assert lines[2].split()[1:6] == ["cron", "viewer", "normal", "unlimited", "unlimited"]
     assert lines[2].endswith("-")  # not revoked
 
     assert main(["keys", "revoke", "web", *url]) == 0
@@ -79,6 +81,7 @@ def test_create_list_revoke(
         "tpm",
         "created_at",
         "revoked_at",
+        "role",
     }
 
     async def refused(store: ApiKeyStore) -> None:

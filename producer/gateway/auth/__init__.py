@@ -16,6 +16,9 @@ Imports no web framework: the gateway calls it, and it is tested on its own.
   gateway processes. :class:`RateDecision` carries OpenAI's ``x-ratelimit-*`` headers and a
   ``Retry-After`` derived from the refill.
 
+A key's ``Role`` (``user``, ``viewer``, ``admin``) says whether it may also read the fleet
+console (viewer) and act there (admin); a ``user`` key never sees other keys' requests.
+
 Isolation between keys is the gateway's: it prefixes each request id with ``ApiKey.key_id``
 (10 of ``[a-z0-9]``), so a key only ever names its own requests.
 """
@@ -23,9 +26,17 @@ Isolation between keys is the gateway's: it prefixes each request id with ``ApiK
 from __future__ import annotations
 
 from tokenfleet.producer.gateway.auth.admin import ApiKeyAdmin
-from tokenfleet.producer.gateway.auth.model import ApiKey
+from tokenfleet.producer.gateway.auth.model import ApiKey, Role
 from tokenfleet.producer.gateway.auth.quota import RateDecision, format_duration
 from tokenfleet.producer.gateway.auth.store import ApiKeyStore
 from tokenfleet.shared.errors import AuthError
 
-__all__ = ["ApiKey", "ApiKeyAdmin", "ApiKeyStore", "AuthError", "RateDecision", "format_duration"]
+__all__ = [
+    "ApiKey",
+    "ApiKeyAdmin",
+    "ApiKeyStore",
+    "AuthError",
+    "RateDecision",
+    "Role",
+    "format_duration",
+]

@@ -10,6 +10,7 @@ import redis
 
 from tokenfleet.producer.gateway.auth.model import (
     ApiKey,
+    Role,
     check_limit,
     decode_record,
     digest_of,
@@ -63,10 +64,13 @@ class ApiKeyAdmin:
         priority_ceiling: Priority | str = Priority.NORMAL,
         rpm: int = 0,
         tpm: int = 0,
+        role: Role | str = Role.USER,
     ) -> tuple[str, ApiKey]:
         """Create a key; returns ``(presented key, ApiKey)``. The presented key exists only in
-        this return value: show it once. Refuses (``InvalidRequest``) a name a live key has."""
+        this return value: show it once. Refuses (``InvalidRequest``) a name a live key has.
+        ``role``: ``viewer`` or ``admin`` also open the fleet console (``Role``)."""
         check_name("API key", name)
+        role = Role.parse(role)
         ceiling = Priority.parse(priority_ceiling)
         check_limit("rpm", rpm)
         check_limit("tpm", tpm)
@@ -78,6 +82,7 @@ class ApiKeyAdmin:
                 rpm=rpm,
                 tpm=tpm,
                 created_at=self._clock(),
+                role=role,
             )
             presented = new_presented_key(key.key_id)
             fields = [x for pair in encode_record(key, digest_of(presented)).items() for x in pair]

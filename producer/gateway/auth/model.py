@@ -14,9 +14,12 @@ Record layout (the hash at ``Keys.api_key(key_id)``; all values are strings)::
     digest            hex SHA-256 of the presented key; removed on revoke
     priority_ceiling  critical | normal | batch: the most urgent priority the key may use
     rpm, tpm          requests / tokens per minute; 0 = unlimited
+    role              user | viewer | admin (absent: user): what the key may do besides
+                      the OpenAI API (``Role``: the fleet console)
     created_at        epoch seconds (the creating machine's clock)
     revoked_at        epoch seconds; absent while the key is live
     rq, tk, ts        quota buckets, owned by the Lua scripts (see :mod:`.quota`)
+    refused           requests the quota refused so far (a counter: api_key_admit.lua)
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import secrets
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from tokenfleet.shared.errors import InvalidRequest
@@ -48,7 +52,43 @@ _KEY_ID_RE = re.compile(rf"^[a-z0-9]{{{KEY_ID_LENGTH}}}$")
 _PRESENTED_RE = re.compile(
     rf"^{PRESENTED_PREFIX}-([a-z0-9]{{{KEY_ID_LENGTH}}})-[A-Za-z0-9_-]{{32}}$"
 )
-RECORD_FIELDS = ("name", "digest", "priority_ceiling", "rpm", "tpm", "created_at", "revoked_at")
+RECORD_FIELDS = (
+    "name",
+    "digest",
+    "priority_ceiling",
+    "rpm",
+    "tpm",
+    "created_at",
+    "revoked_at",
+    "role",
+)
+
+
+class Role(StrEnum):
+    """What a key may do besides the OpenAI API, each role all the one before it may.
+
+    ``user``: the OpenAI API only (its own requests, nothing of other keys'); ``viewer``: also
+    read the fleet console (every queue, worker and request: an operator's view, read-only);
+    ``admin``: also act there (cancel, requeue, discard).
+    """
+
+    USER = "user"
+    VIEWER = "viewer"
+    ADMIN = "admin"
+
+    @classmethod
+    def parse(cls, value: str | Role) -> Role:
+        """A role or its name; ``InvalidRequest`` naming the choices."""
+        try:
+            return cls(str(value).strip().lower())
+        except ValueError:
+            names = ", ".join(r.value for r in cls)
+            raise InvalidRequest(f"unknown role {value!r}; expected one of: {names}") from None
+
+    def allows(self, needed: Role) -> bool:
+        """Whether this role may do what ``needed`` may."""
+        order = list(Role)
+        return order.index(self) >= order.index(needed)
 
 
 def check_limit(what: str, value: int) -> int:
@@ -77,6 +117,7 @@ class ApiKey:
         tpm: tokens per minute (0: unlimited).
         created_at: epoch seconds.
         revoked_at: epoch seconds of the revoke; ``None`` while live.
+        role: what the key may do besides the OpenAI API (``Role``; default ``user``).
     """
 
     key_id: str
@@ -86,6 +127,7 @@ class ApiKey:
     tpm: int
     created_at: float
     revoked_at: float | None = None
+    role: Role = Role.USER
 
     def __post_init__(self) -> None:
         if not isinstance(self.key_id, str) or not is_key_id(self.key_id):
@@ -95,6 +137,7 @@ class ApiKey:
         check_limit("tpm", self.tpm)
         if not isinstance(self.priority_ceiling, Priority):
             raise InvalidRequest("priority_ceiling must be a Priority")
+        object.__setattr__(self, "role", Role.parse(self.role))
 
     @property
     def revoked(self) -> bool:
@@ -115,6 +158,7 @@ class ApiKey:
             "tpm": self.tpm,
             "created_at": self.created_at,
             "revoked_at": self.revoked_at,
+            "role": self.role.value,
         }
 
 
@@ -163,6 +207,8 @@ def encode_record(key: ApiKey, digest: str) -> dict[str, str]:
     }
     if key.revoked_at is not None:
         out["revoked_at"] = repr(key.revoked_at)
+    if key.role is not Role.USER:  # (absent reads as user: records made before roles)
+        out["role"] = key.role.value
     return out
 
 
@@ -189,7 +235,8 @@ def decode_record(
             tpm=int(fields["tpm"]),
             created_at=float(fields["created_at"]),
             revoked_at=float(revoked) if revoked else None,
+            role=Role.parse(fields.get("role") or Role.USER),
         )
-    except (KeyError, ValueError) as exc:
+    except (KeyError, ValueError, InvalidRequest) as exc:
         raise InvalidRequest(f"API key {key_id}: its record does not decode ({exc})") from exc
     return key, (None if key.revoked else fields.get("digest"))

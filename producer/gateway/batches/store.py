@@ -250,7 +250,10 @@ class BatchStore:
         ids: builtins.list[Any] = await self._r.zrevrange(
             self._keys.batches, start, start + limit
         )  # without scores: members only (bytes)
-        out = [await self.get(as_str(i) or "") for i in ids[:limit]]
+        pipe = self._r.pipeline(transaction=False)  # one round trip for the page
+        for i in ids[:limit]:
+            pipe.hgetall(self._keys.batch(as_str(i) or ""))
+        out = [BatchObject.from_hash(raw) for raw in await pipe.execute() if raw]
         return out, len(ids) > limit
 
     async def cancel(self, batch_id: str) -> BatchObject:
