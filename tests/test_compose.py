@@ -101,3 +101,33 @@ def test_the_sentinel_profile_starts_a_primary_a_replica_three_sentinels_and_wor
         assert worker["depends_on"][name]["condition"] == "service_healthy"
         assert "get-master-addr-by-name" in " ".join(services[name]["healthcheck"]["test"])
     assert "container_name" not in worker and not worker.get("ports")  # it can scale
+
+
+def test_the_monitoring_profile_starts_prometheus_and_a_provisioned_grafana() -> None:
+    assert not {"prometheus", "grafana"} & set(_config()["services"])
+    services = _config("--profile", "monitoring")["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    mounts = {v["target"]: v for v in prometheus["volumes"]}
+    config = mounts["/etc/prometheus/prometheus.yml"]
+    assert config["source"] == str(ROOT / "deploy/prometheus/prometheus.yml")
+    assert (
+        config["read_only"]
+        and "--config.file=/etc/prometheus/prometheus.yml" in (prometheus["command"])
+    )
+    assert prometheus["depends_on"]["gateway"]["condition"] == "service_healthy"
+    mounts = {v["target"]: v["source"] for v in grafana["volumes"]}
+    assert mounts["/etc/grafana/provisioning"] == str(ROOT / "deploy/grafana/provisioning")
+    assert mounts["/etc/grafana/dashboards"] == str(ROOT / "deploy/grafana/dashboards")
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / "deploy/grafana/dashboards" / Path(home).name).is_file()
+    assert "prometheus" in grafana["depends_on"]
+    assert {p["target"] for p in grafana["ports"]} == {3000}
+    # what Prometheus scrapes is there: the workers' metrics port and the gateway's
+    assert services["worker"]["environment"]["TOKENFLEET_METRICS_PORT"] == "9400"
+    assert {p["target"] for p in services["gateway"]["ports"]} == {8000}
+
+
+def test_the_image_builds_the_consoles_assets_from_the_lock() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "npm ci --omit=dev" in text and "COPY web/package.json web/package-lock.json" in text
+    assert "python scripts/console_assets.py" in text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -71,6 +73,22 @@ def test_wheel_installs_only_under_tokenfleet(wheel: Path) -> None:
     # the tiny tokenizer's training text
     assert "tokenfleet/worker/devtools/data/tiny_corpus.txt" in names
     assert "tokenfleet/producer/py.typed" in names
+    # the console: its templates, its own script and style, and the vendored files copied from
+    # their npm packages (it is served with no network: nothing comes from elsewhere)
+    console = "tokenfleet/producer/gateway/console"
+    for name in ("templates/console.html", "templates/_queues.html", "static/console.js"):
+        assert f"{console}/{name}" in names
+    vendored = json.loads(zipfile.ZipFile(wheel).read(f"{console}/static/vendor/VERSIONS.json"))
+    assert {"htmx.min.js", "htmx-ext-sse.min.js", "uPlot.iife.min.js", "uPlot.min.css"} <= set(
+        vendored
+    )
+    for name, entry in vendored.items():
+        data = zipfile.ZipFile(wheel).read(f"{console}/static/vendor/{name}")
+        assert hashlib.sha256(data).hexdigest() == entry["sha256"], name
+    lock = json.loads((ROOT / "web" / "package-lock.json").read_text())["packages"]
+    for entry in vendored.values():  # the locked version, taken with its integrity hash
+        locked = lock[f"node_modules/{entry['package']}"]
+        assert locked["version"] == entry["version"] and locked["integrity"].startswith("sha512-")
 
 
 def test_base_modules_import_without_torch() -> None:

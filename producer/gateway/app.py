@@ -27,6 +27,7 @@ from tokenfleet.producer.gateway.batches.runner import BatchRunner
 from tokenfleet.producer.gateway.console.app import mount_console, open_console
 from tokenfleet.producer.gateway.drain import DrainMeter
 from tokenfleet.producer.gateway.errors import ApiError, error_body, from_tokenfleet
+from tokenfleet.producer.gateway.fleet_metrics import FleetMetrics
 from tokenfleet.producer.gateway.gateway import Gateway
 from tokenfleet.producer.gateway.limits import BodyLimit, CountResponses
 from tokenfleet.producer.gateway.settings import GatewaySettings
@@ -66,6 +67,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
             store=gateway.batches,
         )
         app.state.gateway = gateway
+        gateway.metrics.watch_fleet(FleetMetrics(client, gateway.batches))
         console = None
         if gateway_settings.console == "on":
             console = open_console(
@@ -76,6 +78,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
                 store,
                 gateway_settings.console_refresh_s,
             )
+            gateway.metrics.console_listeners.set_function(lambda: console.feed.listeners)
         loop = asyncio.get_running_loop()
         background = [
             loop.create_task(drain.run()),
@@ -110,7 +113,8 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
     @app.get("/metrics", include_in_schema=False)
     async def metrics(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
-        return Response(gw.metrics.exposition(), media_type="text/plain; version=0.0.4")
+        body = await gw.metrics.exposition()
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.get("/health", include_in_schema=False)
     async def health(request: Request) -> dict[str, str]:

@@ -113,3 +113,40 @@ def test_a_worker_counts_how_each_request_it_started_came(
         worker.close()
         rr.delete(*(rr.keys(f"{prefix}:*") or ["-"]))
         rr.close()
+
+
+def test_step_times_and_the_heartbeats_own_figures() -> None:
+    """Each step's duration goes to the step-time histogram; the heartbeat carries the
+    throughput window's tokens/s, the engine's device and the last error met (a request that
+    ended ``error``, or an entry that could not run), with its time."""
+    from tokenfleet.worker.service.heartbeat import worker_stats
+
+    m = WorkerMetrics("tiny")
+    cap = SimpleNamespace(num_running=1, num_waiting=0, free_kv_blocks=10)
+    stats = SimpleNamespace(num_kv_blocks_used=2, duration_s=0.004)
+    m.observe_step(100.0, 4, stats, cap, 12)
+    m.observe_step(102.0, 6, stats, cap, 12)
+    assert _value(m, "tokenfleet:engine_step_seconds_count") == 2
+    assert _value(m, "tokenfleet:engine_step_seconds_sum") == pytest.approx(0.008)
+    engine = SimpleNamespace(
+        capacity=lambda: cap,
+        last_step_stats=stats,
+        runner=SimpleNamespace(device="cpu"),
+    )
+    ws = SimpleNamespace(model_name="tiny", priorities=[Priority.NORMAL], device=None)
+    beat = worker_stats(
+        ws, engine, running=1, kv_total=12, tokens_total=10, stopping=False, metrics=m
+    )
+    assert (beat["device"], beat["tokens_per_s"]) == ("cpu", 5.0)  # 10 tokens in 2 s
+    assert "last_error" not in beat
+    m.observe_finish(Priority.NORMAL, "done", "stop", 3, {})
+    assert m.last_error is None  # a request that ended well is no error
+    m.observe_finish(Priority.NORMAL, "error", None, 3, {}, error="engine_error: boom")
+    m.observe_outcome(Priority.BATCH, "expired")
+    assert m.last_error is not None and m.last_error[1] == "engine_error: boom"
+    m.observe_outcome(Priority.BATCH, "worker_lost")
+    beat = worker_stats(
+        ws, engine, running=1, kv_total=12, tokens_total=10, stopping=False, metrics=m
+    )
+    assert beat["last_error"].startswith("worker_lost: ")
+    assert beat["last_error_at"] == pytest.approx(time.time(), abs=5)

@@ -256,6 +256,14 @@ class BatchStore:
         out = [BatchObject.from_hash(raw) for raw in await pipe.execute() if raw]
         return out, len(ids) > limit
 
+    async def active(self, limit: int = 100) -> builtins.list[BatchObject]:
+        """At most ``limit`` of the batches runners drive now (not final yet), by id."""
+        ids = sorted(as_str(i) or "" for i in await self._r.smembers(self._keys.batches_active))
+        pipe = self._r.pipeline(transaction=False)
+        for i in ids[:limit]:
+            pipe.hgetall(self._keys.batch(i))
+        return [BatchObject.from_hash(raw) for raw in await pipe.execute() if raw]
+
     async def cancel(self, batch_id: str) -> BatchObject:
         """Ask for cancellation: ``cancelling`` now, ``cancelled`` once the runner has stopped
         its lines (a final batch is answered as it is)."""
