@@ -22,6 +22,7 @@ from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.core import fleet_records
 from tokenfleet.producer.gateway.auth.usage import key_usage
 from tokenfleet.producer.gateway.batches.store import BatchStore
+from tokenfleet.shared.errors import ProtocolError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import GenerationRequest
@@ -92,22 +93,25 @@ def _span(start: float | None, end: float | None) -> float | None:
 
 
 def dead_row(lane: str, letter: Any) -> dict[str, Any]:
-    """A listed dead letter: its fields, its lane, and the start of its prompt when it decodes."""
+    """A listed dead letter: its fields, its lane, and the start of its prompt when it decodes
+    (with the payload's request id when the letter holds none: an entry whose record had
+    lapsed)."""
     row = letter.to_dict()
     row["lane"] = lane
-    row["prompt"] = prompt_preview(letter.payload)
-    row["requeueable"] = not letter.cut and row["prompt"] is not None
+    request = decoded(letter.payload)
+    row["prompt"] = request_text(request)[:PREVIEW_CHARS] if request is not None else None
+    if request is not None and not row["request_id"]:
+        row["request_id"] = request.request_id
+    row["requeueable"] = not letter.cut and request is not None
     return row
 
 
-def prompt_preview(payload: bytes) -> str | None:
-    """The first ``PREVIEW_CHARS`` of a payload's prompt (its messages' contents joined), or
-    None when the payload does not decode."""
+def decoded(payload: bytes) -> GenerationRequest | None:
+    """The request a dead letter's payload holds; None when it does not decode."""
     try:
-        request = GenerationRequest.decode(payload, max(len(payload), 1))
-    except Exception:  # any fault: the row says it does not decode
+        return GenerationRequest.decode(payload, max(len(payload), 1))
+    except ProtocolError:  # the row says it does not decode
         return None
-    return request_text(request)[:PREVIEW_CHARS]
 
 
 def request_text(request: GenerationRequest) -> str:

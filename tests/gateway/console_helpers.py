@@ -1,0 +1,86 @@
+"""What the console's tests share: a fleet with API keys on and a key of each role, a scripted
+pretend worker that ends a request ``error`` (its entry goes to the dead letters), and reading
+``tokenfleet status --json`` as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+
+from tokenfleet.producer import Client
+from tokenfleet.producer.gateway.auth import ApiKeyAdmin
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
+from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
+from tokenfleet.shared.settings import Settings
+
+IDLE_MODEL = "nobody"  # declared, no worker: its requests wait for as long as a test needs
+
+
+@dataclass(frozen=True)
+class ConsoleKeys:
+    """A presented key of each role."""
+
+    user: str
+    viewer: str
+    admin: str
+
+    def bearer(self, role: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {getattr(self, role)}"}
+
+
+def make_keys(r: redis.Redis, settings: Settings) -> ConsoleKeys:
+    admin = ApiKeyAdmin(r, settings)
+    tag = os.urandom(3).hex()
+    made = {
+        role: admin.create(f"{role}-{tag}", role=role)[0] for role in ("user", "viewer", "admin")
+    }
+    return ConsoleKeys(**made)
+
+
+def fail_waiting(r: redis.Redis, keys: Keys, model: str, code: str = "engine_error") -> str:
+    """Take the oldest waiting request of ``model``'s normal queue as a pretend worker would and
+    end it ``error`` through the real finish script (its entry is kept in the dead letters);
+    its id."""
+    stream = keys.stream(model, Priority.NORMAL)
+    reply: Any = r.xreadgroup(CONSUMER_GROUP, "pretend", {stream: ">"}, count=1)
+    entry, fields = reply[0][1][0]
+    rid = fields[b"id"].decode()
+    event = TerminalEvent(rid, TerminalStatus.ERROR, code=code, message="failed on purpose")
+    k, a = finish_keys_args(
+        keys,
+        event,
+        model=model,
+        priority=Priority.NORMAL,
+        now=time.time(),
+        ttl_s=600,
+        stream_id=entry.decode(),
+    )
+    assert registry.call(r, FINISH, k, a)[0] == "ok"
+    return rid
+
+
+def status_json(redis_url: str, prefix: str) -> dict[str, Any]:
+    """``tokenfleet status --json`` run as a user runs it (its own process)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tokenfleet.worker.cli", "status", "--json"],
+        env={**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix},
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    data: dict[str, Any] = orjson.loads(out.stdout)
+    return data
+
+
+def client(redis_url: str, prefix: str, **settings: Any) -> Client:
+    return Client.from_url(settings=Settings(redis_url=redis_url, key_prefix=prefix, **settings))

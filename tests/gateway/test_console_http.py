@@ -1,0 +1,168 @@
+"""The console over plain HTTP, against a real gateway (API keys on) and a real worker: who may
+look and who may act, request text escaped in every page, a dead letter requeued, the numbers
+the JSON feed shows equal to ``tokenfleet status --json``'s, and every metric the Grafana
+dashboard names exported by the worker or the gateway."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from console_helpers import IDLE_MODEL, ConsoleKeys, client, fail_waiting, make_keys, status_json
+from gateway_helpers import Fleet, start_fleet, wait_for
+from grafana_queries import DASHBOARDS, metric_names, queries
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
+
+pytestmark = pytest.mark.slow
+SCRIPT = "<script>window.__pwned = 1</script><img src=x onerror=alert(1)>"
+
+
+@pytest.fixture(scope="module")
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    redis_server: RedisServer,
+    plain_redis: redis.Redis,
+    tiny_llama_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    metrics_port: int,
+) -> Iterator[Fleet]:
+    f = start_fleet(
+        redis_server,
+        plain_redis,
+        tiny_llama_dir,
+        tmp_path_factory.mktemp("console-http"),
+        gateway_args=("--auth", "required"),
+        worker_args=("--metrics-port", str(metrics_port)),
+    )
+    f.r.sadd(f.keys.declared, IDLE_MODEL)
+    try:
+        yield f
+    finally:
+        f.gateway.close()
+        f.worker.close()
+
+
+@pytest.fixture(scope="module")
+def keys(fleet: Fleet) -> ConsoleKeys:
+    return make_keys(fleet.r, Settings(redis_url=fleet.redis_url, key_prefix=fleet.prefix))
+
+
+def test_pages_need_a_viewer_key_and_actions_an_admin_key(fleet: Fleet, keys: ConsoleKeys) -> None:
+    with httpx.Client(base_url=fleet.gateway.url, timeout=30) as http:
+        nobody = http.get("/console")
+        assert nobody.status_code == 401 and 'action="/console/login"' in nobody.text
+        assert http.get("/console/status.json").status_code == 401
+        user = http.get("/console", headers=keys.bearer("user"))
+        assert user.status_code == 403 and "needs viewer or admin" in user.text
+        viewer = http.get("/console", headers=keys.bearer("viewer"))
+        assert (
+            viewer.status_code == 200
+            and "script-src 'self'" in (viewer.headers["content-security-policy"])
+        )
+        form = {"lane": "", "entry": "1-1"}
+        refused = http.post("/console/dead/discard", data=form, headers=keys.bearer("viewer"))
+        assert refused.status_code == 403 and "may look, not act" in refused.text
+        allowed = http.post("/console/dead/discard", data=form, headers=keys.bearer("admin"))
+        assert allowed.status_code == 200 and "already gone" in allowed.text
+
+        assert http.post("/console/login", data={"key": keys.user}).status_code == 403
+        assert http.post("/console/login", data={"key": "tf-bogus"}).status_code == 401
+        login = http.post("/console/login", data={"key": keys.admin})
+        assert login.status_code == 303 and login.headers["location"] == "/console"
+        cookie = login.headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/console" in cookie
+        # the cookie alone does not act: a form on another site could send it
+        assert http.post("/console/dead/discard", data=form).status_code == 403
+        sent = http.post("/console/dead/discard", data=form, headers={"HX-Request": "true"})
+        assert sent.status_code == 200
+        assert http.get("/console").status_code == 200  # the cookie opens the page
+        http.post("/console/logout")
+        assert http.get("/console").status_code == 401
+
+
+def test_request_text_is_escaped_and_a_dead_letter_requeues(
+    fleet: Fleet, keys: ConsoleKeys
+) -> None:
+    with client(fleet.redis_url, fleet.prefix) as producer:
+        waiting = producer.submit(SCRIPT, model=IDLE_MODEL, max_tokens=4, request_id="xss-wait")
+        producer.submit(SCRIPT + " failing", model=IDLE_MODEL, max_tokens=4, request_id="xss-dead")
+    wait_for(lambda: fleet.r.xlen(fleet.keys.stream(IDLE_MODEL, Priority.NORMAL)) == 2, "2 queued")
+    failed = fail_waiting(fleet.r, fleet.keys, IDLE_MODEL)  # xss-wait: the oldest
+    assert failed == waiting.request_id
+    admin = keys.bearer("admin")
+    with httpx.Client(base_url=fleet.gateway.url, timeout=30, headers=admin) as http:
+        page = http.get("/console/requests/xss-dead").text  # still waiting: its prompt shows
+        console = http.get("/console").text  # the dead letter's prompt, the requests' ids
+        for html in (page, console):
+            assert "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in html
+            assert "<script>window" not in html and "<img src=x" not in html
+        snap = http.get("/console/status.json").json()
+        [letter] = [d for d in snap["dead"] if d["request_id"] == failed]
+        assert letter["reason"] == "engine_error: failed on purpose" and letter["requeueable"]
+        form = {"lane": letter["lane"], "entry": letter["entry"]}
+        done = http.post("/console/dead/requeue", data=form)
+        assert done.status_code == 200 and f'requeued as <a href="/console/requests/{failed}.r' in (
+            done.text
+        )
+        again = http.post("/console/dead/requeue", data=form)  # gone: nothing runs twice
+        assert again.status_code == 409 and "no dead letter" in again.text
+    with client(fleet.redis_url, fleet.prefix) as producer:
+        [new] = [r for r in producer.queue_stats() if r.model == IDLE_MODEL]
+        assert new.waiting == 2  # xss-dead and the requeued one
+
+
+def test_the_json_feed_shows_what_status_json_prints(fleet: Fleet, keys: ConsoleKeys) -> None:
+    """With nothing moving (the idle model's queue, no submit meanwhile), the console's reading
+    and ``tokenfleet status --json`` agree on every queue and on the workers' counts."""
+    with httpx.Client(base_url=fleet.gateway.url, timeout=30) as http:
+        console = http.get("/console/status.json", headers=keys.bearer("viewer")).json()["status"]
+    printed = status_json(fleet.redis_url, fleet.prefix)
+    assert set(console) == set(printed)
+    steady = ("model", "priority", "waiting", "running", "max_waiting", "policy", "lag")
+    idle = [{k: q[k] for k in steady} for q in console["queues"] if q["model"] == IDLE_MODEL]
+    assert idle == [
+        {k: q[k] for k in steady} for q in printed["queues"] if q["model"] == IDLE_MODEL
+    ]
+    assert [w["name"] for w in console["workers"]] == [w["name"] for w in printed["workers"]]
+    assert console["dead_letters"] == printed["dead_letters"]
+
+
+def test_every_metric_the_dashboard_names_is_exported(
+    fleet: Fleet, keys: ConsoleKeys, metrics_port: int
+) -> None:
+    """Each metric a deploy/grafana dashboard query names is declared by the real worker's or
+    the real gateway's ``/metrics`` (after a few requests through the gateway)."""
+    with httpx.Client(base_url=fleet.base_url, headers=keys.bearer("user"), timeout=60) as api:
+        answers = [
+            api.post("/completions", json={"model": "default", "prompt": "hi", "max_tokens": 3})
+            for _ in range(2)
+        ]
+    for answer in answers:
+        assert answer.status_code == 200, answer.text
+    exported: set[str] = set()
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as got:
+        texts = [got.read().decode(), httpx.get(fleet.gateway.url + "/metrics").text]
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            exported.add(family.name)
+            exported |= {s.name for s in family.samples}
+            suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+            exported |= {family.name + s for s in suffixes.get(family.type, ())}
+    named = set().union(
+        *(metric_names(q) for p in DASHBOARDS for q in queries(json.loads(p.read_text())))
+    )
+    assert len(named) > 20
+    assert named - exported == set()
