@@ -18,7 +18,7 @@ import redis.asyncio
 
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.producer.gateway.batches.store import BatchStore
-from tokenfleet.producer.gateway.console.view import LISTED, ConsoleData
+from tokenfleet.producer.gateway.console.view import DEAD_LISTED, LISTED, ConsoleData
 from tokenfleet.shared import dead_letters
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
@@ -81,7 +81,7 @@ def _counted_refresh(url: str) -> dict[str, int]:
     snapshot = asyncio.run(_refresh(url))
     stats: Any = r.info("commandstats")
     r.close()
-    assert len(snapshot["requests"]) == LISTED and len(snapshot["dead"]) == LISTED
+    assert len(snapshot["requests"]) == LISTED and len(snapshot["dead"]) == DEAD_LISTED
     calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
     calls.pop("config|resetstat", None)
     calls.pop("info", None)

@@ -25,7 +25,7 @@ from markupsafe import Markup, escape
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from tokenfleet.producer.gateway.console.access import COOKIE, ConsoleAccess, Visitor
-from tokenfleet.producer.gateway.console.live import LiveFeed
+from tokenfleet.producer.gateway.console.live import LiveFeed, Reading
 from tokenfleet.producer.gateway.console.render import FRAGMENTS, fragment
 from tokenfleet.producer.gateway.console.view import ConsoleData, request_text
 from tokenfleet.producer.gateway.errors import ApiError
@@ -42,13 +42,34 @@ KEEP_ALIVE_S = 15  # the SSE comment the gateway's own streams send (sse-starlet
 
 
 class Console:
-    """What the routes share, one per app: the data, the live feed, access, the templates."""
+    """What the routes share, one per app: the data, the live feed, access, the templates.
+
+    A reading is rendered once for every console open on the process (per kind of visitor:
+    one who may act sees the action buttons), not once per console: ``rendered`` keeps the
+    last reading's events."""
 
     def __init__(self, data: ConsoleData, access: ConsoleAccess, env: Any, refresh_s: float):
         self.data = data
         self.access = access
         self.env = env
         self.feed = LiveFeed(data.snapshot, refresh_s)
+        self._rendered: dict[bool, tuple[int, list[ServerSentEvent]]] = {}
+
+    def rendered(self, reading: Reading, visitor: Visitor) -> list[ServerSentEvent]:
+        """The events of ``reading`` for ``visitor`` (each table's HTML, the sparklines')."""
+        cached = self._rendered.get(visitor.may_act)
+        if cached is not None and cached[0] == reading.number:
+            return cached[1]
+        if reading.snapshot is None:
+            events = [ServerSentEvent(_alert(reading.error), event="alert")]
+        else:
+            events = [ServerSentEvent("", event="alert")]
+            for name, html in self.fragments(reading.snapshot, visitor).items():
+                events.append(ServerSentEvent(html, event=name))
+            history = orjson.dumps(self.feed.series()).decode()
+            events.append(ServerSentEvent(history, event="history"))
+        self._rendered[visitor.may_act] = (reading.number, events)
+        return events
 
     def page(self, name: str, status: int = 200, **context: Any) -> HTMLResponse:
         html = self.env.get_template(name).render(keys_on=self.access.keys_on, **context)
@@ -107,13 +128,8 @@ async def events(request: Request) -> EventSourceResponse:
 
     async def feed() -> AsyncIterator[ServerSentEvent]:
         async for reading in console.feed.listen():
-            if reading.snapshot is None:
-                yield ServerSentEvent(_alert(reading.error), event="alert")
-                continue
-            yield ServerSentEvent("", event="alert")
-            for name, html in console.fragments(reading.snapshot, visitor).items():
-                yield ServerSentEvent(html, event=name)
-            yield ServerSentEvent(orjson.dumps(console.feed.series()).decode(), event="history")
+            for event in console.rendered(reading, visitor):
+                yield event
 
     return EventSourceResponse(feed(), ping=KEEP_ALIVE_S, headers={"Cache-Control": "no-store"})
 

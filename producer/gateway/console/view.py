@@ -27,7 +27,8 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import GenerationRequest
 
-LISTED = 50  # requests and dead letters listed per snapshot
+LISTED = 30  # requests listed per snapshot
+DEAD_LISTED = 20  # dead letters listed per snapshot (each one's payload is decoded)
 BATCHES_LISTED = 20
 KEYS_LISTED = 50
 PREVIEW_CHARS = 160  # of a dead letter's prompt shown in its row
@@ -46,7 +47,7 @@ class ConsoleData:
         """Everything the page shows, read now (module docstring)."""
         status = await self.client.fleet_status()
         requests = await self.client._run(fleet_records.recent_requests(self.client, LISTED))
-        dead = await self.client._run(fleet_records.dead_letters(self.client, LISTED))
+        dead = await self.client._run(fleet_records.dead_letters(self.client, DEAD_LISTED))
         batches, _ = await self.batches.list(limit=BATCHES_LISTED)
         keys = []
         if self.keys_on:
