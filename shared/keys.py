@@ -11,11 +11,8 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:qcfg:M:L         hash: max_waiting, policy (the queue's bound and overflow policy)
     P:queues           set of "M|L" queue names that have ever been used
     P:drained          hash: "M|L" -> requests started from that queue so far (its drain rate)
-    P:tally            hash: "M|L|STATUS" -> requests of queue (M, L) that ended in STATUS so
-                       far, and "M|L|STATUS|S" -> "MINUTE COUNT" (S = MINUTE mod 2): the ends of
-                       the last two minutes (written by tf_finish; shared/tally.py reads it)
-    P:recent           list: the ids of the newest requests, newest first (at most
-                       RECENT_REQUESTS; written by the enqueue script, read by the console)
+    P:tally            hash: "M|L|STATUS" -> ends so far, "M|L|STATUS|S" -> "MINUTE N" (tally.py)
+    P:recent           list: the newest request ids, newest first (trimmed by the enqueue script)
     P:req:ID           hash: the request's durable record
     P:req:ID:tok       list: token events, element i is the event with index i
     P:ch:ID            pub/sub channel of the request's events
@@ -24,7 +21,7 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:workers          sorted set: worker name -> last heartbeat (seconds)
     P:probe:NAME       string: written (1 s TTL) by worker NAME to test that writes go through
                        and replicate while it waits out an outage (worker/service/outage.py)
-    P:dead             stream: dead-letter entries (undecodable or invalid requests)
+    P:dead             stream: dead letters: entries that cannot run, failed requests
     P:rq:M:L:NAME      stream: the requests of queue (M, L) routed to worker NAME (same
                        consumer group as P:q:M:L; any worker may steal entries that waited)
     P:routers:M        sorted set: worker -> expiry (seconds) of the heartbeat of each worker
@@ -42,14 +39,12 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:pool:NAME:preempt  hash: donor member -> JSON pending preemption order
     P:pools            set of pool names
     P:owners           hash: file or batch id -> owning API key id (gateway with keys on)
-    P:apikey:KID       hash: one gateway API key (name, SHA-256 digest of the key, priority
-                       ceiling, rpm, tpm, created_at, revoked_at) and its quota buckets
-                       (tokenfleet.producer.gateway.auth; the plaintext key is never stored)
+    P:apikey:KID       hash: one gateway API key's record (never the key) and its quota buckets
+                       (tokenfleet.producer.gateway.auth.model lists the fields)
     P:apikeys          set of API key ids (live and revoked)
     P:apikeys:names    hash: name -> key id of every live (unrevoked) API key
     P:file:ID          hash: one Batch API file (id, purpose, filename, bytes, created_at, kind
-                       input|output|error, batch_id for outputs) (tokenfleet.producer.gateway.
-                       batches)
+                       input|output|error, batch_id for outputs)
     P:file:ID:lines    list: the file's JSONL lines, one per element, without the newline
     P:batch:ID         hash: one batch (status, endpoint, input file, counts, next_line, times)
     P:batch:ID:done    hash: line index -> "ok" | "err": the batch's exactly-once ledger
@@ -122,23 +117,20 @@ class _Root:
         return f"{{{self.prefix}}}" if self.cluster else self.prefix
 
     def pool_root(self, name: str) -> str:
-        """The first segment of pool ``name``'s names: the fleet's. Every pool script also keeps
-        the pool list (``Keys.pools``), and a pool's traffic is light: it stays in the fleet's
-        slot (docs/protocol.md)."""
+        """The first segment of pool ``name``'s names: the fleet's (every pool script also keeps
+        the pool list, ``Keys.pools``; a pool's traffic is light; docs/protocol.md)."""
         del name  # (one place to change should a pool get a slot of its own)
         return self.fleet_root
 
     @property
     def publish_command(self) -> str:
         """The command that publishes on this fleet's channels (scripts get it in ARGV):
-        ``PUBLISH``, or ``SPUBLISH`` on a cluster (a plain PUBLISH is broadcast to every node;
-        a sharded one stays on the slot's shard)."""
+        ``PUBLISH``, or ``SPUBLISH`` on a cluster (sharded: it stays on the slot's shard)."""
         return "SPUBLISH" if self.cluster else "PUBLISH"
 
 
 class _GatewayKeys(_Root):
-    """The HTTP gateway's names, a base of :class:`Keys` (use them through ``Keys``): kept in a
-    class of their own so that no class here outgrows tests/test_layout.py's method limit."""
+    """The HTTP gateway's names, a base of :class:`Keys` (one class per room of the layout)."""
 
     __slots__ = ()
 
@@ -225,8 +217,7 @@ class _QueueKeys(_Root):
 
     @property
     def tally(self) -> str:
-        """Hash: how many requests of each queue ended in each terminal status, in all and in
-        each of the last two minutes (``shared.tally``)."""
+        """Hash: each queue's ends per terminal status, in all and per minute (``tally``)."""
         return f"{self.root}:tally"
 
     @staticmethod
@@ -273,8 +264,7 @@ class _WorkerKeys(_Root):
         return f"{self.root}:worker:{name}"
 
     def worker_probe(self, name: str) -> str:
-        """String: what worker ``name`` writes (with a short TTL) while it waits out an outage,
-        to learn that writes go through again and reach replicas."""
+        """String: what worker ``name`` writes (short TTL) while it waits out an outage."""
         return f"{self.root}:probe:{name}"
 
     @property
@@ -284,14 +274,13 @@ class _WorkerKeys(_Root):
 
     @property
     def dead_letter(self) -> str:
-        """Stream of entries no worker could decode or validate."""
+        """Stream of entries no worker could run, and of requests that ended ``error``."""
         return f"{self.root}:dead"
 
     @property
     def served(self) -> str:
         """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
-        serves that model (``ZADD GT``: the latest expiry of its servers); served while in the
-        future."""
+        serves that model (``ZADD GT``: its servers' latest expiry); served while in the future."""
         return f"{self.root}:served"
 
     @property
@@ -304,8 +293,7 @@ class _WorkerKeys(_Root):
     def lanes(self) -> str:
         """Set (a fleet room): every model that has a lane, i.e. whose names were ever written
         (producers add a model before its first enqueue or queue setting, workers each beat):
-        what lane-less readers (``tokenfleet status``, ``queues``, a lookup by id) go through
-        on a cluster."""
+        what lane-less readers (``tokenfleet status``, a lookup by id) go through on a cluster."""
         return f"{self.fleet_root}:lanes"
 
 
@@ -372,8 +360,7 @@ class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _Gatewa
 
     ``cluster`` (Redis Cluster mode, built by :meth:`for_settings`): every name starts with a
     hash tag, so that every script, MULTI and pipeline stays inside one slot while one fleet
-    spreads over the cluster's primaries (docs/protocol.md, "Redis Cluster: the slots of a
-    fleet"):
+    spreads over the cluster's primaries (docs/protocol.md, "Redis Cluster"):
 
     * a *lane* per model, ``{prefix|model}``: its queues, requests, channels, routing, and its
       workers' heartbeats (everything a request's life touches: ``lane`` names the model);
@@ -381,8 +368,7 @@ class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _Gatewa
       :attr:`served` and :attr:`declared`), API keys, files, batches, pools (:meth:`pool_root`).
 
     Channels are then sharded pub/sub ones (:attr:`publish_command`). Invariant: with
-    ``cluster`` False the lane changes nothing, and every name is byte-for-byte what it was
-    before cluster mode existed.
+    ``cluster`` False the lane changes nothing (every name as before cluster mode existed).
     """
 
     prefix: str = "tokenfleet"

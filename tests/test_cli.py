@@ -22,6 +22,7 @@ COMMANDS = (
     "cancel",
     "queues",
     "serve",
+    "console",
     "batch",
     "keys",
     "status",

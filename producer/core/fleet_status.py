@@ -2,7 +2,7 @@
 (``Client.fleet_status()``) and what the console shows (``AsyncClient.fleet_status()``), so the
 two cannot disagree: one reading, two faces.
 
-The snapshot (a dict of plain data; README "tokenfleet status" has the table form):
+The snapshot (a dict of plain data; docs/workers.md shows the table form):
 
 * ``at``: the epoch seconds the snapshot was taken (ages below are at that moment);
 * ``workers``: each live worker's heartbeat (``service.heartbeat``): model, device, beat age,
@@ -13,7 +13,7 @@ The snapshot (a dict of plain data; README "tokenfleet status" has the table for
   Redis cannot compute it, e.g. after a drop-oldest eviction) and its terminal ends
   (``shared.tally``: total and per minute, per status);
 * ``routed``: per (model, priority, routed worker), the waiting and running entries of that
-  worker's routed stream (README "Routing"); ``models``: ``Client.models()``;
+  worker's routed stream (docs/routing.md); ``models``: ``Client.models()``;
   ``waiting_on_models``: models with waiting requests and no live worker;
 * ``dead_letters``: the dead-letter streams' lengths, summed; ``pools``: each shared KV pool as
   its read-only inspect script sees it (docs/kv_pools.md).

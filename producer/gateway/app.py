@@ -76,7 +76,7 @@ def create_app(settings: Settings, gateway_settings: GatewaySettings) -> FastAPI
                 redis_client,
                 gateway.batches,
                 store,
-                gateway_settings.console_refresh_s,
+                gateway_settings,
             )
             gateway.metrics.console_listeners.set_function(lambda: console.feed.listeners)
         loop = asyncio.get_running_loop()

@@ -196,7 +196,9 @@ def test_admit_counts_tokens_and_refuses_charge_nothing(
     assert refused.headers["x-ratelimit-remaining-requests"] == "9"
     too_large = _admit_all(settings, key, [1001], clock)[0]
     assert too_large.too_large and not too_large.allowed
-    assert r.hgetall(keys.api_key(key.key_id)) == before  # refusals wrote nothing
+    after = r.hgetall(keys.api_key(key.key_id))
+    assert after.pop(b"refused") == b"2"  # refusals are counted (the console shows them) ...
+    assert after == before  # ... and charge nothing
     assert _admit_all(settings, key, [400], clock)[0].allowed
 
 

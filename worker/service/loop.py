@@ -382,11 +382,7 @@ class WorkerService:
             metrics=self.metrics,
         )
         pool = {f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}
-        outage = {
-            "redis_outages": self.outage.outages,
-            "redis_outage_s": round(self.outage.waited_s, 1),
-        }
         self.heartbeat.beat(
-            {**stats, "redis_state": redis_state, **outage, **pool},
+            {**stats, "redis_state": redis_state, **self.outage.beat_fields(), **pool},
             serving=not self.stop_requested,  # a stopping worker takes no new work
         )

@@ -126,6 +126,10 @@ class OutageRider:
             registry=registry,
         ).labels(model_name)
 
+    def beat_fields(self) -> dict[str, int | float]:
+        """What the heartbeat says of the outages ridden out: how many, and seconds waited."""
+        return {"redis_outages": self.outages, "redis_outage_s": round(self.waited_s, 1)}
+
     def delay(self, attempt: int) -> float:
         """The pause before retry ``attempt`` (0, 1, ...): full jitter over a doubling bound."""
         bound = min(BACKOFF_CEILING_S, BACKOFF_FIRST_S * 2 ** min(attempt, 30))

@@ -55,11 +55,17 @@ def open_console(
     client_redis: redis.asyncio.Redis,
     batches: BatchStore,
     store: ApiKeyStore | None,
-    refresh_s: float,
+    gateway_settings: GatewaySettings,
 ) -> Console:
     """The console's state on ``app`` (its lifespan calls this once it has its clients)."""
     data = ConsoleData(client, client_redis, batches, keys_on=store is not None)
-    console = Console(data, ConsoleAccess(store), environment(), refresh_s)
+    console = Console(
+        data,
+        ConsoleAccess(store),
+        environment(),
+        refresh_s=gateway_settings.console_refresh_s,
+        keepalive_s=gateway_settings.keepalive_s,
+    )
     app.state.console = console
     return console
 
@@ -79,9 +85,7 @@ def create_console_app(settings: Settings, gateway_settings: GatewaySettings) ->
             default_max_tokens=gateway_settings.default_max_tokens,
             lease_ms=gateway_settings.batch_lease_ms,
         )
-        console = open_console(
-            app, client, client_redis, batches, store, gateway_settings.console_refresh_s
-        )
+        console = open_console(app, client, client_redis, batches, store, gateway_settings)
         try:
             yield
         finally:

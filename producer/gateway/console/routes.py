@@ -29,6 +29,7 @@ from tokenfleet.producer.gateway.console.live import LiveFeed, Reading
 from tokenfleet.producer.gateway.console.render import FRAGMENTS, fragment
 from tokenfleet.producer.gateway.console.view import ConsoleData, request_text
 from tokenfleet.producer.gateway.errors import ApiError
+from tokenfleet.producer.gateway.keepalive import event_stream
 from tokenfleet.shared.errors import InvalidRequest, TokenfleetError, UnknownRequest
 from tokenfleet.shared.keys import check_request_id
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
@@ -38,7 +39,6 @@ CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
 )
-KEEP_ALIVE_S = 15  # the SSE comment the gateway's own streams send (sse-starlette's ping)
 
 
 class Console:
@@ -48,11 +48,20 @@ class Console:
     one who may act sees the action buttons), not once per console: ``rendered`` keeps the
     last reading's events."""
 
-    def __init__(self, data: ConsoleData, access: ConsoleAccess, env: Any, refresh_s: float):
+    def __init__(
+        self,
+        data: ConsoleData,
+        access: ConsoleAccess,
+        env: Any,
+        *,
+        refresh_s: float,
+        keepalive_s: float,
+    ) -> None:
         self.data = data
         self.access = access
         self.env = env
         self.feed = LiveFeed(data.snapshot, refresh_s)
+        self.keepalive_s = keepalive_s  # the gateway's SSE keep-alive (``keepalive``)
         self._rendered: dict[bool, tuple[int, list[ServerSentEvent]]] = {}
 
     def rendered(self, reading: Reading, visitor: Visitor) -> list[ServerSentEvent]:
@@ -131,7 +140,9 @@ async def events(request: Request) -> EventSourceResponse:
             for event in console.rendered(reading, visitor):
                 yield event
 
-    return EventSourceResponse(feed(), ping=KEEP_ALIVE_S, headers={"Cache-Control": "no-store"})
+    return event_stream(
+        feed(), keepalive_s=console.keepalive_s, headers={"Cache-Control": "no-store"}
+    )
 
 
 def _alert(message: str) -> str:
@@ -204,7 +215,9 @@ async def request_events(request: Request, request_id: str) -> EventSourceRespon
             pass
         yield ServerSentEvent("ended", event="end")
 
-    return EventSourceResponse(feed(), ping=KEEP_ALIVE_S, headers={"Cache-Control": "no-store"})
+    return event_stream(
+        feed(), keepalive_s=console.keepalive_s, headers={"Cache-Control": "no-store"}
+    )
 
 
 @router.post("/requests/{request_id}/cancel")
