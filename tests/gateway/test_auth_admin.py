@@ -117,3 +117,25 @@ def test_concurrent_creates_of_one_name_leave_one_key(redis_url: str, settings: 
     client = redis.Redis.from_url(redis_url)
     assert [k.name for k in ApiKeyAdmin(client, settings).list()] == ["web"]
     client.close()
+
+
+def test_a_keys_role_says_what_it_may_do_in_the_console(
+    admin: ApiKeyAdmin, r: redis.Redis, keys: Keys
+) -> None:
+    from tokenfleet.producer.gateway.auth import Role
+
+    _, user = admin.create("app")
+    _, viewer = admin.create("ops", role="viewer")
+    _, boss = admin.create("oncall", role=Role.ADMIN)
+    assert (user.role, viewer.role, boss.role) == (Role.USER, Role.VIEWER, Role.ADMIN)
+    assert r.hget(keys.api_key(user.key_id), "role") is None  # the default is not written
+    assert admin.get("ops").role is Role.VIEWER  # (read back from the record)
+    allowed = {role: [needed for needed in Role if role.allows(needed)] for role in Role}
+    assert allowed == {
+        Role.USER: [Role.USER],
+        Role.VIEWER: [Role.USER, Role.VIEWER],
+        Role.ADMIN: [Role.USER, Role.VIEWER, Role.ADMIN],
+    }
+    with pytest.raises(InvalidRequest, match="unknown role 'root'"):
+        admin.create("x", role="root")
+    assert r.hget(keys.api_key_names, "x") is None  # refused before anything is stored

@@ -6,6 +6,7 @@ dashboard names exported by the worker or the gateway."""
 from __future__ import annotations
 
 import json
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import httpx
 import pytest
 import redis
 from console_helpers import IDLE_MODEL, ConsoleKeys, client, fail_waiting, make_keys, status_json
-from gateway_helpers import Fleet, start_fleet, wait_for
+from gateway_helpers import Fleet, Proc, start_fleet, wait_for
 from grafana_queries import DASHBOARDS, metric_names, queries
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -166,3 +167,34 @@ def test_every_metric_the_dashboard_names_is_exported(
     )
     assert len(named) > 20
     assert named - exported == set()
+
+
+def test_tokenfleet_console_serves_the_page_without_a_gateway(
+    fleet: Fleet, keys: ConsoleKeys, tmp_path: Path
+) -> None:
+    port = free_port()
+    args = [sys.executable, "-m", "tokenfleet.worker.cli", "console", "--port", str(port)]
+    env = {"REDIS_URL": fleet.redis_url, "TOKENFLEET_KEY_PREFIX": fleet.prefix}
+    proc = Proc([*args, "--auth", "required", "--log-level", "warning"], env, tmp_path / "c.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert proc.alive(), proc.output()
+            try:
+                return httpx.get(url + "/console/login", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, "tokenfleet console")
+        with httpx.Client(base_url=url, timeout=30) as http:
+            assert http.get("/console", headers=keys.bearer("user")).status_code == 403
+            page = http.get("/console", headers=keys.bearer("viewer"))
+            assert page.status_code == 200 and "<h2>Queues</h2>" in page.text
+            status = http.get("/console/status.json", headers=keys.bearer("viewer")).json()
+            assert status["status"]["prefix"] == fleet.prefix
+            assert fleet.worker.name in [w["name"] for w in status["status"]["workers"]]
+            script = http.get("/console/static/vendor/htmx.min.js")  # served by itself
+            assert script.status_code == 200 and "htmx" in script.text[:2000]
+    finally:
+        proc.close()

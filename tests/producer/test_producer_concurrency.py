@@ -17,6 +17,7 @@ import orjson
 import redis
 
 from tokenfleet.producer import Client, Overloaded
+from tokenfleet.producer.core import ops
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.scripts import registry
@@ -57,8 +58,9 @@ def _waiting(r: redis.Redis, keys: Keys) -> dict[Priority, int]:
     flat: list[str] = []
     for p in POLICIES:
         flat += [keys.stream("default", p), keys.queue_config("default", p)]
-    reply = registry.call(r, QUEUE_STATS, flat, [CONSUMER_GROUP])[1:]
-    return {p: int(reply[4 * i]) - int(reply[4 * i + 1]) for i, p in enumerate(POLICIES)}
+    reply = registry.call(r, QUEUE_STATS, flat, [CONSUMER_GROUP])
+    rows = ops.stats_rows([("default", p) for p in POLICIES], reply)  # (the client's parse)
+    return {Priority.parse(row.priority): row.waiting for row in rows}
 
 
 def test_bounds_hold_under_concurrent_producers(

@@ -79,12 +79,15 @@ def test_unknown_model_is_refused_by_every_submit_and_nothing_is_written(
 
     refused = asyncio.run(from_async())
     assert len(refused) == 3 and all(isinstance(e, ModelNotServed) for e in refused)
-    # only the served model's request left a trace: its record, its stream, the queue's name
+    # only the served model's request left a trace: its record, its stream, the queue's name,
+    # its id in the recent list
     assert set(r.keys("*")) - before == {
         keys.record(accepted.request_id).encode(),
         keys.stream("served-1", Priority.NORMAL).encode(),
         keys.queues.encode(),
+        keys.recent.encode(),
     }
+    assert r.lrange(keys.recent, 0, -1) == [accepted.request_id.encode()]
     assert r.smembers(keys.queues) == {b"served-1|normal"}
     assert not r.exists(keys.stream("nope", Priority.NORMAL))
 
