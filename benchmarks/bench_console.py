@@ -11,11 +11,13 @@ reads them: every table's HTML and the sparklines' data each period). Phases alt
 closed / open for ``--rounds`` rounds (the machine is shared: neighbours in time are the fair
 comparison). Per phase: requests answered per second, and the worker's mean engine step time
 (``tokenfleet:engine_step_seconds``' sum and count, read from its metrics endpoint before and
-after); then the medians and the ratios open ÷ closed.
+after), and the CPU the gateway process and the redis-server used (per cent of one core: the
+console's own cost, visible even where the request rate is bound by the worker); then the
+medians and the ratios open ÷ closed.
 
 Run::
 
-    .venv/bin/python benchmarks/bench_console.py                  # about 4 minutes
+    .venv/bin/python benchmarks/bench_console.py --rounds 5       # about 6 minutes
     .venv/bin/python benchmarks/bench_console.py --consoles 10 --refresh-s 0.5
 """
 
@@ -31,10 +33,13 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import httpx
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
@@ -50,6 +55,22 @@ def wait(check, what: str, timeout_s: float = 300.0) -> None:
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(0.2)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def redis_cpu_s(url: str) -> float:
+    """CPU seconds the redis-server has used so far (INFO cpu)."""
+    r = redis.Redis.from_url(url)
+    try:
+        info: Any = r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    finally:
+        r.close()
 
 
 def step_totals(port: int) -> tuple[float, float]:
@@ -124,6 +145,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--consoles", type=int, default=3, help="feeds held open in an open phase")
     p.add_argument("--refresh-s", type=float, default=1.0, help="the console's period")
+    add_record_flag(p)
     args = p.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-console-"))
@@ -160,26 +182,36 @@ def main() -> int:
             wait(lambda: _ok(base + "/health"), "the gateway")
             wait(lambda: _ok(f"http://127.0.0.1:{metrics_port}/metrics"), "the worker")
             asyncio.run(phase(argparse.Namespace(**{**vars(args), "seconds": 5.0}), base, 0))
-            rows: dict[str, list[tuple[float, float]]] = {"closed": [], "open": []}
+            rows: dict[str, list[tuple[float, float, float, float]]] = {"closed": [], "open": []}
             print(
                 f"tiny Llama, worker --threads 1 --max-num-seqs 16, one gateway process; "
                 f"{args.concurrency} requests of {args.max_tokens} tokens in flight, "
                 f"{args.seconds:g} s per phase; open: {args.consoles} console feeds, refresh "
                 f"{args.refresh_s:g} s; os.cpu_count()={os.cpu_count()}"
             )
-            print(f"{'round':>5} {'console':>7} {'req/s':>8} {'step ms':>8} {'events':>7}")
+            print(
+                f"{'round':>5} {'console':>7} {'req/s':>8} {'step ms':>8} {'gw cpu%':>8} "
+                f"{'redis cpu%':>10} {'events':>7}"
+            )
             for r in range(args.rounds):
                 order = ("closed", "open") if r % 2 == 0 else ("open", "closed")
                 for name in order:
                     before = step_totals(metrics_port)
+                    cpu = (cpu_s(gateway.pid), redis_cpu_s(server.url), time.monotonic())
                     rate, events = asyncio.run(
                         phase(args, base, args.consoles if name == "open" else 0)
                     )
+                    wall = time.monotonic() - cpu[2]
+                    gw_cpu = 100 * (cpu_s(gateway.pid) - cpu[0]) / wall
+                    redis_cpu = 100 * (redis_cpu_s(server.url) - cpu[1]) / wall
                     after = step_totals(metrics_port)
                     steps = after[1] - before[1]
                     step_ms = 1000 * (after[0] - before[0]) / steps if steps else float("nan")
-                    rows[name].append((rate, step_ms))
-                    print(f"{r:>5} {name:>7} {rate:>8.1f} {step_ms:>8.2f} {events:>7}")
+                    rows[name].append((rate, step_ms, gw_cpu, redis_cpu))
+                    print(
+                        f"{r:>5} {name:>7} {rate:>8.1f} {step_ms:>8.2f} {gw_cpu:>8.1f} "
+                        f"{redis_cpu:>10.1f} {events:>7}"
+                    )
             closed_rate = statistics.median(x[0] for x in rows["closed"])
             open_rate = statistics.median(x[0] for x in rows["open"])
             closed_step = statistics.median(x[1] for x in rows["closed"])
@@ -192,6 +224,21 @@ def main() -> int:
                 f"median step ms: closed {closed_step:.2f}, open {open_step:.2f} "
                 f"(open/closed {open_step / closed_step:.3f})"
             )
+            cpu: dict[str, tuple[float, float]] = {}
+            for i, what in ((2, "gateway CPU %"), (3, "redis CPU %")):
+                closed = statistics.median(x[i] for x in rows["closed"])
+                opened = statistics.median(x[i] for x in rows["open"])
+                cpu[what] = (closed, opened)
+                print(f"median {what}: closed {closed:.1f}, open {opened:.1f}")
+            if args.record:  # its rows in benchmarks/RESULTS.md
+                figures = {
+                    "console-gateway-rate": f"{open_rate / closed_rate:.3f}",
+                    "console-step-time": f"{open_step / closed_step:.3f}",
+                    "console-gateway-cpu": "{:.1f} % open, {:.1f} % closed".format(
+                        cpu["gateway CPU %"][1], cpu["gateway CPU %"][0]
+                    ),
+                }
+                record_figures(figures, benchmarks=Path(__file__).parent)
         finally:
             for proc in (gateway, worker):
                 proc.terminate()

@@ -198,3 +198,22 @@ def test_tokenfleet_console_serves_the_page_without_a_gateway(
             assert script.status_code == 200 and "htmx" in script.text[:2000]
     finally:
         proc.close()
+
+
+def test_api_keys_show_their_use_and_refusals(fleet: Fleet, keys: ConsoleKeys) -> None:
+    from tokenfleet.producer.gateway.auth import ApiKeyAdmin
+
+    settings = Settings(redis_url=fleet.redis_url, key_prefix=fleet.prefix)
+    limited, key = ApiKeyAdmin(fleet.r, settings).create("one-a-minute", rpm=1, tpm=10_000)
+    body = {"model": "default", "prompt": "hi", "max_tokens": 2}
+    with httpx.Client(base_url=fleet.base_url, timeout=60) as api:
+        auth = {"Authorization": f"Bearer {limited}"}
+        assert api.post("/completions", json=body, headers=auth).status_code == 200
+        assert api.post("/completions", json=body, headers=auth).status_code == 429
+    with httpx.Client(base_url=fleet.gateway.url, timeout=30) as http:
+        snap = http.get("/console/status.json", headers=keys.bearer("viewer")).json()
+        page = http.get("/console", headers=keys.bearer("viewer")).text
+    [row] = [k for k in snap["keys"] if k["key_id"] == key.key_id]
+    assert (row["rpm"], row["requests_used"], row["refused"]) == (1, 1, 1)
+    assert 0 < row["tokens_used"] <= 10_000  # the admitted request's charge, settled or not
+    assert f'<tr data-key="{key.key_id}">' in page and "1/1" in page
