@@ -12,8 +12,10 @@ closed / open for ``--rounds`` rounds (the machine is shared: neighbours in time
 comparison). Per phase: requests answered per second, and the worker's mean engine step time
 (``tokenfleet:engine_step_seconds``' sum and count, read from its metrics endpoint before and
 after), and the CPU the gateway process and the redis-server used (per cent of one core: the
-console's own cost, visible even where the request rate is bound by the worker); then the
-medians and the ratios open ÷ closed.
+console's own cost, visible even where the request rate is bound by the worker; measured first
+on the idle fleet too, with no requests, where it is the console's alone); then, per
+figure, the median over the rounds of each round's open ÷ closed (its two phases are neighbours
+in time, the fair comparison on a machine whose load drifts).
 
 Run::
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -43,18 +46,8 @@ from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figur
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
-
-def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    out = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(args, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT)
-
-
-def wait(check, what: str, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {what}")
-        time.sleep(0.2)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gateway import start, wait  # (the same child processes, the same readiness polls)
 
 
 def cpu_s(pid: int) -> float:
@@ -106,35 +99,52 @@ async def load(base: str, concurrency: int, max_tokens: int, until: float) -> in
     return done
 
 
-async def consoles(base: str, n: int, until: float) -> int:
-    """Hold ``n`` console feeds open until ``until``; the events they received."""
-    received = 0
+def consoles(base: str, n: int, seconds: float, events: Any) -> None:
+    """Hold ``n`` console feeds open for ``seconds``; put the events they received on
+    ``events``. Run in a process of its own, as browsers are: reading the feeds costs the load
+    generator nothing."""
 
-    async def feed() -> None:
-        nonlocal received
-        async with (
-            httpx.AsyncClient(base_url=base, timeout=None) as http,
-            http.stream("GET", "/console/events") as answer,
-        ):
-            async for line in answer.aiter_lines():
-                if line.startswith("event:"):
-                    received += 1
-                if time.monotonic() >= until:
-                    return
+    async def feeds() -> int:
+        received = 0
+        until = time.monotonic() + seconds
 
-    await asyncio.gather(*(feed() for _ in range(n)))
-    return received
+        async def feed() -> None:
+            nonlocal received
+            async with (
+                httpx.AsyncClient(base_url=base, timeout=None) as http,
+                http.stream("GET", "/console/events") as answer,
+            ):
+                async for line in answer.aiter_lines():
+                    if line.startswith("event:"):
+                        received += 1
+                    if time.monotonic() >= until:
+                        return
+
+        await asyncio.gather(*(feed() for _ in range(n)))
+        return received
+
+    events.put(asyncio.run(feeds()))
 
 
-async def phase(args: argparse.Namespace, base: str, open_consoles: int) -> tuple[float, int]:
-    until = time.monotonic() + args.seconds
-    tasks = [load(base, args.concurrency, args.max_tokens, until)]
+def phase(args: argparse.Namespace, base: str, open_consoles: int, load_on: bool = True) -> Any:
+    """One phase: (requests/s, console events received)."""
+    events: Any = multiprocessing.Queue()
+    feeds = multiprocessing.Process(
+        target=consoles, args=(base, open_consoles, args.seconds, events), daemon=True
+    )
     if open_consoles:
-        tasks.append(consoles(base, open_consoles, until))
+        feeds.start()
     started = time.monotonic()
-    results = await asyncio.gather(*tasks)
+    until = started + args.seconds
+    done = asyncio.run(load(base, args.concurrency, args.max_tokens, until)) if load_on else 0
+    if not load_on:
+        time.sleep(max(0.0, until - time.monotonic()))
     elapsed = time.monotonic() - started
-    return results[0] / elapsed, results[1] if open_consoles else 0
+    received = 0
+    if open_consoles:
+        received = events.get(timeout=60)
+        feeds.join(30)
+    return done / elapsed, received
 
 
 def main() -> int:
@@ -181,7 +191,7 @@ def main() -> int:
         try:
             wait(lambda: _ok(base + "/health"), "the gateway")
             wait(lambda: _ok(f"http://127.0.0.1:{metrics_port}/metrics"), "the worker")
-            asyncio.run(phase(argparse.Namespace(**{**vars(args), "seconds": 5.0}), base, 0))
+            phase(argparse.Namespace(**{**vars(args), "seconds": 5.0}), base, 0)  # warm up
             rows: dict[str, list[tuple[float, float, float, float]]] = {"closed": [], "open": []}
             print(
                 f"tiny Llama, worker --threads 1 --max-num-seqs 16, one gateway process; "
@@ -193,17 +203,32 @@ def main() -> int:
                 f"{'round':>5} {'console':>7} {'req/s':>8} {'step ms':>8} {'gw cpu%':>8} "
                 f"{'redis cpu%':>10} {'events':>7}"
             )
+            idle: dict[str, list[tuple[float, float]]] = {"closed": [], "open": []}  # no requests
+            for r in range(2):
+                for name in ("closed", "open") if r == 0 else ("open", "closed"):
+                    at = (cpu_s(gateway.pid), redis_cpu_s(server.url), time.monotonic())
+                    phase(args, base, args.consoles if name == "open" else 0, load_on=False)
+                    wall = time.monotonic() - at[2]
+                    idle[name].append(
+                        (
+                            100 * (cpu_s(gateway.pid) - at[0]) / wall,
+                            100 * (redis_cpu_s(server.url) - at[1]) / wall,
+                        )
+                    )
+            for name, got in idle.items():
+                gw, rd = (statistics.mean(x[i] for x in got) for i in (0, 1))
+                print(
+                    f"  idle fleet, consoles {name:>6}: gateway CPU {gw:5.1f} %, redis {rd:4.1f} %"
+                )
             for r in range(args.rounds):
                 order = ("closed", "open") if r % 2 == 0 else ("open", "closed")
                 for name in order:
                     before = step_totals(metrics_port)
-                    cpu = (cpu_s(gateway.pid), redis_cpu_s(server.url), time.monotonic())
-                    rate, events = asyncio.run(
-                        phase(args, base, args.consoles if name == "open" else 0)
-                    )
-                    wall = time.monotonic() - cpu[2]
-                    gw_cpu = 100 * (cpu_s(gateway.pid) - cpu[0]) / wall
-                    redis_cpu = 100 * (redis_cpu_s(server.url) - cpu[1]) / wall
+                    at = (cpu_s(gateway.pid), redis_cpu_s(server.url), time.monotonic())
+                    rate, events = phase(args, base, args.consoles if name == "open" else 0)
+                    wall = time.monotonic() - at[2]
+                    gw_cpu = 100 * (cpu_s(gateway.pid) - at[0]) / wall
+                    redis_cpu = 100 * (redis_cpu_s(server.url) - at[1]) / wall
                     after = step_totals(metrics_port)
                     steps = after[1] - before[1]
                     step_ms = 1000 * (after[0] - before[0]) / steps if steps else float("nan")
@@ -212,31 +237,27 @@ def main() -> int:
                         f"{r:>5} {name:>7} {rate:>8.1f} {step_ms:>8.2f} {gw_cpu:>8.1f} "
                         f"{redis_cpu:>10.1f} {events:>7}"
                     )
-            closed_rate = statistics.median(x[0] for x in rows["closed"])
-            open_rate = statistics.median(x[0] for x in rows["open"])
-            closed_step = statistics.median(x[1] for x in rows["closed"])
-            open_step = statistics.median(x[1] for x in rows["open"])
-            print(
-                f"median req/s: closed {closed_rate:.1f}, open {open_rate:.1f} "
-                f"(open/closed {open_rate / closed_rate:.3f})"
-            )
-            print(
-                f"median step ms: closed {closed_step:.2f}, open {open_step:.2f} "
-                f"(open/closed {open_step / closed_step:.3f})"
-            )
-            cpu: dict[str, tuple[float, float]] = {}
-            for i, what in ((2, "gateway CPU %"), (3, "redis CPU %")):
+            # each round's two phases are neighbours in time: their ratio is the fair figure on a
+            # machine whose load drifts (the medians of each side are shown for scale)
+            pairs = list(zip(rows["open"], rows["closed"], strict=True))
+            ratios = {
+                what: statistics.median(o[i] / c[i] for o, c in pairs)
+                for i, what in enumerate(("req/s", "step ms", "gateway CPU %", "redis CPU %"))
+            }
+            for i, what in enumerate(("req/s", "step ms", "gateway CPU %", "redis CPU %")):
                 closed = statistics.median(x[i] for x in rows["closed"])
                 opened = statistics.median(x[i] for x in rows["open"])
-                cpu[what] = (closed, opened)
-                print(f"median {what}: closed {closed:.1f}, open {opened:.1f}")
+                print(
+                    f"{what:>14}: median closed {closed:.2f}, open {opened:.2f}; "
+                    f"open/closed, median of the rounds' pairs {ratios[what]:.3f}"
+                )
             if args.record:  # its rows in benchmarks/RESULTS.md
+                gw_open = statistics.mean(x[0] for x in idle["open"])
+                gw_closed = statistics.mean(x[0] for x in idle["closed"])
                 figures = {
-                    "console-gateway-rate": f"{open_rate / closed_rate:.3f}",
-                    "console-step-time": f"{open_step / closed_step:.3f}",
-                    "console-gateway-cpu": "{:.1f} % open, {:.1f} % closed".format(
-                        cpu["gateway CPU %"][1], cpu["gateway CPU %"][0]
-                    ),
+                    "console-gateway-rate": f"{ratios['req/s']:.3f}",
+                    "console-step-time": f"{ratios['step ms']:.3f}",
+                    "console-gateway-cpu": f"{gw_open:.1f} % open, {gw_closed:.1f} % closed",
                 }
                 record_figures(figures, benchmarks=Path(__file__).parent)
         finally:

@@ -8,11 +8,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
+from gateway_helpers import Fleet, start_fleet
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.gateway.auth import ApiKeyAdmin
@@ -22,6 +25,7 @@ from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.local_redis import RedisServer
 
 IDLE_MODEL = "nobody"  # declared, no worker: its requests wait for as long as a test needs
 
@@ -84,3 +88,31 @@ def status_json(redis_url: str, prefix: str) -> dict[str, Any]:
 
 def client(redis_url: str, prefix: str, **settings: Any) -> Client:
     return Client.from_url(settings=Settings(redis_url=redis_url, key_prefix=prefix, **settings))
+
+
+def console_fleet(
+    redis_server: RedisServer,
+    r: redis.Redis,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    worker_args: tuple[str, ...] = (),
+    gateway_env: dict[str, str] | None = None,
+) -> Iterator[Fleet]:
+    """A module fixture's body: a gateway with API keys required and one worker, the idle
+    model declared; stopped after the module."""
+    f = start_fleet(
+        redis_server,
+        r,
+        model_dir,
+        log_dir,
+        gateway_args=("--auth", "required"),
+        worker_args=worker_args,
+        gateway_env=gateway_env,
+    )
+    f.r.sadd(f.keys.declared, IDLE_MODEL)
+    try:
+        yield f
+    finally:
+        f.gateway.close()
+        f.worker.close()

@@ -23,8 +23,16 @@ from typing import Any
 
 import pytest
 import redis
-from console_helpers import IDLE_MODEL, ConsoleKeys, client, fail_waiting, make_keys, status_json
-from gateway_helpers import Fleet, start_fleet
+from console_helpers import (
+    IDLE_MODEL,
+    ConsoleKeys,
+    client,
+    console_fleet,
+    fail_waiting,
+    make_keys,
+    status_json,
+)
+from gateway_helpers import Fleet, wait_for
 
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -56,22 +64,15 @@ def fleet(
     tiny_llama_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
-    f = start_fleet(
+    yield from console_fleet(
         redis_server,
         plain_redis,
         tiny_llama_dir,
         tmp_path_factory.mktemp("console-browser"),
-        gateway_args=("--auth", "required"),
         # two at a time, so that queues form; a heartbeat that outlives a held (SIGSTOP) worker
         worker_args=("--max-num-seqs", "2", "--heartbeat-ttl-s", "60"),
         gateway_env={"TOKENFLEET_GATEWAY_CONSOLE_REFRESH_S": "0.5"},
     )
-    f.r.sadd(f.keys.declared, IDLE_MODEL)
-    try:
-        yield f
-    finally:
-        f.gateway.close()
-        f.worker.close()
 
 
 @pytest.fixture(scope="module")
@@ -128,15 +129,8 @@ def admin(browser: Any, fleet: Fleet, keys: ConsoleKeys) -> Iterator[Visit]:
     visit.close()
 
 
-def until(check: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+def until(check: Callable[[], Any], what: str) -> Any:
+    return wait_for(check, what, WAIT_S)
 
 
 def cell(page: Any, row: str, key: str) -> str:

@@ -14,8 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from console_helpers import IDLE_MODEL, ConsoleKeys, client, fail_waiting, make_keys, status_json
-from gateway_helpers import Fleet, Proc, start_fleet, wait_for
+from console_helpers import (
+    IDLE_MODEL,
+    ConsoleKeys,
+    client,
+    console_fleet,
+    fail_waiting,
+    make_keys,
+    status_json,
+)
+from gateway_helpers import Fleet, Proc, wait_for
 from grafana_queries import DASHBOARDS, metric_names, queries
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,20 +48,13 @@ def fleet(
     tmp_path_factory: pytest.TempPathFactory,
     metrics_port: int,
 ) -> Iterator[Fleet]:
-    f = start_fleet(
+    yield from console_fleet(
         redis_server,
         plain_redis,
         tiny_llama_dir,
         tmp_path_factory.mktemp("console-http"),
-        gateway_args=("--auth", "required"),
         worker_args=("--metrics-port", str(metrics_port)),
     )
-    f.r.sadd(f.keys.declared, IDLE_MODEL)
-    try:
-        yield f
-    finally:
-        f.gateway.close()
-        f.worker.close()
 
 
 @pytest.fixture(scope="module")
