@@ -45,7 +45,6 @@ def withdraw_keys_args(
         keys.routed(model, priority, routed_to) if routed_to else keys.stream(model, priority),
         keys.cancel_set,
         keys.tally,
-        keys.dead_letter,
     ]
     args = [
         rid,

@@ -3,12 +3,11 @@
 -- KEYS[5] = served models (sorted set: model -> expiry of its live servers' heartbeats)
 -- KEYS[6] = declared models (set)
 -- KEYS[7] = queue ends hash (Keys.tally: evictions and reclaims count there, tf_finish.lua)
--- KEYS[8] = dead-letter stream (Keys.dead_letter): passed to tf_finish, written only by an
---   ``error`` end, which this script never makes
--- KEYS[9] = recent requests list (Keys.recent): each new request's id is pushed at its head,
---   and the list trimmed to ARGV[26] ids
--- KEYS[10 .. 9+R] = routing keys (R = ARGV[23]; none when 0): KEYS[10] = the model's routers
---   (sorted set), KEYS[11] = its load hash, then per candidate worker c = 1 .. C: its prefix
+-- KEYS[8] = recent requests list (Keys.recent): each new request's id is pushed at its head,
+--   and the list trimmed to ARGV[26] ids (no dead-letter key: an eviction is never an error, and
+--   a producer's ACL user may not write the dead-letter stream)
+-- KEYS[9 .. 8+R] = routing keys (R = ARGV[23]; none when 0): KEYS[9] = the model's routers
+--   (sorted set), KEYS[10] = its load hash, then per candidate worker c = 1 .. C: its prefix
 --   set, its routed stream of this queue; then the session keys the requests name (tf_route.lua)
 -- KEYS[9+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
 -- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
@@ -64,7 +63,7 @@
 -- @include tf_route.lua
 
 local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
-local F = 9  -- the fixed keys before the routing keys
+local F = 8  -- the fixed keys before the routing keys
 local J0 = 27 + C  -- the first request's ARGV
 if #KEYS ~= F + R + (#ARGV - J0 + 1) / 6 then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
@@ -92,7 +91,7 @@ local function end_waiting(from, sid, rid, status, template, message)
   tf_finish(victim_record, victim_tokens, victim_channel, from, KEYS[4], rid, status,
             event_for(template, rid), now, ttl, sid, group, '',
             {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22],
-            KEYS[7], KEYS[8], '0', '0')
+            KEYS[7], '', '0', '0')
 end
 
 local function field(entry, name)
@@ -336,7 +335,7 @@ for j = J0, #ARGV, 6 do
 end
 redis.call('SADD', KEYS[3], ARGV[4])
 if #fresh > 0 then
-  redis.call('LPUSH', KEYS[9], unpack(fresh))
-  redis.call('LTRIM', KEYS[9], 0, tonumber(ARGV[26]) - 1)
+  redis.call('LPUSH', KEYS[8], unpack(fresh))
+  redis.call('LTRIM', KEYS[8], 0, tonumber(ARGV[26]) - 1)
 end
 return out

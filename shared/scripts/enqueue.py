@@ -159,7 +159,6 @@ def enqueue_keys_args(
         keys.served,
         keys.declared,
         keys.tally,
-        keys.dead_letter,
         keys.recent,
     ]
     workers = route.workers if route is not None else ()

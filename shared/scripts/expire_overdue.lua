@@ -1,8 +1,6 @@
 -- KEYS[1] = request record hash          KEYS[2] = request token list
 -- KEYS[3] = request channel              KEYS[4] = queue stream of the request
 -- KEYS[5] = cancel set                    KEYS[6] = queue ends hash (Keys.tally)
--- KEYS[7] = dead-letter stream (Keys.dead_letter): passed to tf_finish, written only by an
---           ``error`` end, which this script never makes
 -- ARGV[1] = request id                   ARGV[2] = encoded terminal event
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
 -- ARGV[5] = consumer group name          ARGV[6] = message for the record
@@ -26,4 +24,4 @@ end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'expired', ARGV[2],
                  ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
                  {'code', 'expired', 'message', ARGV[6], 'finish_reason', ''}, ARGV[7],
-                 KEYS[6], KEYS[7], '0', '0')
+                 KEYS[6], '', '0', '0')  -- no dead-letter key: this end is never an error
