@@ -24,4 +24,4 @@ end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2],
                  ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
                  {'code', 'cancelled', 'message', ARGV[6], 'finish_reason', ''}, ARGV[7],
-                 KEYS[6], '', '0', '0')  -- no dead-letter key: this end is never an error
+                 KEYS[6], nil)  -- never an error end: no dead letter

@@ -91,7 +91,7 @@ local function end_waiting(from, sid, rid, status, template, message)
   tf_finish(victim_record, victim_tokens, victim_channel, from, KEYS[4], rid, status,
             event_for(template, rid), now, ttl, sid, group, '',
             {'code', status, 'message', message, 'finish_reason', ''}, ARGV[22],
-            KEYS[7], '', '0', '0')
+            KEYS[7], nil)
 end
 
 local function field(entry, name)

@@ -12,7 +12,12 @@
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal, or
 -- {"lost", holder} (nothing changed) if ARGV[8] is set and the live record is not held by it,
 -- or is gone and the end is done (never a truncated success; an error end is written).
+-- @include tf_keep_failed.lua
 -- @include tf_finish.lua
+
+local function keep_failed(stream, sid, rid, holder, fields)
+  tf_keep_failed(KEYS[7], ARGV[10], ARGV[11], stream, sid, rid, holder, fields)
+end
 
 local fields = {}
 for i = 12, #ARGV do
@@ -20,4 +25,4 @@ for i = 12, #ARGV do
 end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], ARGV[2], ARGV[3],
                  ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], fields, ARGV[9],
-                 KEYS[6], KEYS[7], ARGV[10], ARGV[11])
+                 KEYS[6], keep_failed)

@@ -12,7 +12,8 @@
 -- ends ``error`` while its stream entry is still there leaves a copy of that entry in ``dead``
 -- (the dead-letter stream, Keys.dead_letter), with the reason, its payload cut to ``keep``
 -- bytes, the stream trimmed to about ``maxlen`` entries (shared/dead_letters.py), so that it
--- can be looked at and requeued.
+-- can be looked at and requeued: ``keep_failed`` (nil where the caller never ends a request
+-- ``error``) is called with (stream, sid, rid, holder, fields) to do that (tf_keep_failed.lua).
 -- Returns {"ok"} after publishing, {"already", status} if the record was already terminal (the
 -- stream entry is still acked and deleted), or {"lost", holder} (nothing changed) if ``owner`` is
 -- set and the live record is held by someone else, or is gone and the end is ``done`` (a record
@@ -31,24 +32,8 @@ local function tf_count_end(tally, model, priority, status, now)
   redis.call('HSET', tally, slot, string.format('%d %d', minute, n))
 end
 
-local function tf_keep_failed(dead, keep, maxlen, stream, sid, rid, holder, fields)
-  local entry = redis.call('XRANGE', stream, sid, sid)[1]
-  if not entry then return end
-  local payload, code, message = '', '', ''
-  for i = 1, #entry[2], 2 do
-    if entry[2][i] == 'd' then payload = entry[2][i + 1] end
-  end
-  for i = 1, #fields, 2 do
-    if fields[i] == 'code' then code = fields[i + 1] end
-    if fields[i] == 'message' then message = fields[i + 1] end
-  end
-  redis.call('XADD', dead, 'MAXLEN', '~', maxlen, '*', 'stream', stream,
-             'entry_id', sid, 'id', rid, 'reason', code .. ': ' .. message, 'worker', holder,
-             'd', string.sub(payload, 1, tonumber(keep)), 'size', tostring(#payload))
-end
-
 local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event, now, ttl,
-                         sid, group, owner, fields, publish, tally, dead, keep, maxlen)
+                         sid, group, owner, fields, publish, tally, keep_failed)
   local h = redis.call('HMGET', rec, 'status', 'worker', 'model', 'priority', 'ran_on')
   local current, holder = h[1], h[2] or ''
   local live = current == 'queued' or current == 'running'
@@ -58,9 +43,8 @@ local function tf_finish(rec, toks, chan, stream, cancel_set, rid, status, event
   local terminal = current == 'done' or current == 'cancelled' or current == 'expired'
       or current == 'dropped' or current == 'error'
   if sid ~= '' then
-    if status == 'error' and current and not terminal then
-      tf_keep_failed(dead, keep, maxlen, stream, sid, rid, holder ~= '' and holder or h[5] or '',
-                     fields)
+    if keep_failed and status == 'error' and current and not terminal then
+      keep_failed(stream, sid, rid, holder ~= '' and holder or h[5] or '', fields)
     end
     redis.call('XACK', stream, group, sid)
     redis.call('XDEL', stream, sid)
