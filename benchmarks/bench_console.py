@@ -147,7 +147,7 @@ def phase(args: argparse.Namespace, base: str, open_consoles: int, load_on: bool
     return done / elapsed, received
 
 
-def main() -> int:
+def main() -> int:  # noqa: PLR0915 (the benchmark's scenario, read top to bottom)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0, help="per phase")

@@ -102,7 +102,7 @@ class SimWorker:
                 return freed
         return 0
 
-    def step(self) -> None:
+    def step(self) -> None:  # noqa: C901, PLR0912 (the simulated member's one step, in order)
         self.steps += 1
         held = self.member.held
         release = 0

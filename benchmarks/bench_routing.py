@@ -127,7 +127,9 @@ def _session(side: str, conversation: int, n: int, num_workers: int) -> str:
     return f"rr-{n % num_workers}" if side == "rr" else f"conv-{conversation}"
 
 
-def run_side(name: str, model: str, url: str, args: argparse.Namespace) -> Side:
+def run_side(  # noqa: C901, PLR0915 (one side's scenario, read top to bottom)
+    name: str, model: str, url: str, args: argparse.Namespace
+) -> Side:
     from tokenfleet.producer import Client
     from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.prefix_chain import model_session_hash

@@ -253,19 +253,7 @@ class ClientCore(FleetViews, ABC, Generic[H]):
         for (model, _), _ in batches:
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
-        tokenizers: dict[str, RouteTokenizer | None] = {}
-        work: list[tuple[Prepared, RouteTokenizer]] = []
-        for i in keep:
-            p = prepared[i]
-            if p.route_input is not None:
-                if p.model not in tokenizers:
-                    tokenizers[p.model] = yield from self._route_tokenizers.get(p.model)
-                tok = tokenizers[p.model]
-                if tok is not None:
-                    work.append((p, tok))
-        if work:
-            for (p, _), chain in zip(work, (yield from compute_chains(work)), strict=True):
-                p.chain = chain
+        yield from self._attach_chains([prepared[i] for i in keep])
 
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
@@ -296,46 +284,87 @@ class ClientCore(FleetViews, ABC, Generic[H]):
             slots.setdefault(self._keys.for_model(model).root, []).append(b)
         replies: list[Any] = [None] * len(batches)
         for n, numbers in enumerate(slots.values()):
-            lagged = OutageClock(self.settings.redis_retry_s)
-            while True:
-                calls = LazyCalls(len(numbers), functools.partial(_nth_call, call, numbers))
-                try:
-                    got = yield RunScripts(calls, meanwhile=make_handles, confirm=True)
-                    break
-                except ReplicationLagged as exc:  # every request again (same ids: at most once)
-                    pause = lagged.next_wait(exc, None)
-                    if pause is None and n == 0:
-                        raise
-                    if pause is None:
-                        got = [exc] * len(numbers)
-                        break
-                    yield Sleep(pause)
-                except redis.RedisError as exc:
-                    if n == 0:  # nothing enqueued yet: the call fails as a whole
-                        raise
-                    got = [exc] * len(numbers)  # other lanes' requests are in: say which failed
-                    break
+            calls = functools.partial(_nth_call, call, numbers)
+            got = yield from self._run_slot(calls, len(numbers), make_handles, first=n == 0)
             for b, reply in zip(numbers, got, strict=True):
                 replies[b] = reply
         make_handles()  # (when every request was refused before any round trip)
         for i, error in refused.items():
             results[i] = error
         for ((model, _), indices), reply in zip(batches, replies, strict=True):
-            if isinstance(reply, redis.RedisError):
-                for i in indices:
-                    results[i] = lane_failed(model, reply)
-                continue
-            refusals = ops.enqueue_refusals(
-                registry.check_reply(ENQUEUE, reply),
-                [prepared[i].request_id for i in indices],
-                model,
+            self._settle_batch(
+                results, [(i, prepared[i].request_id) for i in indices], model, reply
             )
-            for i, refusal in zip(indices, refusals, strict=True):
-                if refusal is not None:
-                    results[i] = refusal  # its handle, made meanwhile, is dropped
-                elif self._keys.laned:
-                    self._lanes.remember(prepared[i].request_id, model)
         return results
+
+    def _settle_batch(
+        self,
+        results: list[H | TokenfleetError],
+        members: list[tuple[int, str]],
+        model: str,
+        reply: Any,
+    ) -> None:
+        """Put one batch's outcome into ``results``: each member (its index there, its id)
+        keeps its handle, or gets the refusal or the lane's error in its place."""
+        if isinstance(reply, redis.RedisError):
+            for i, _ in members:
+                results[i] = lane_failed(model, reply)
+            return
+        refusals = ops.enqueue_refusals(
+            registry.check_reply(ENQUEUE, reply), [rid for _, rid in members], model
+        )
+        for (i, rid), refusal in zip(members, refusals, strict=True):
+            if refusal is not None:
+                results[i] = refusal  # its handle, made meanwhile, is dropped
+            elif self._keys.laned:
+                self._lanes.remember(rid, model)
+
+    def _attach_chains(self, prepared: Sequence[Prepared]) -> Plan[None]:
+        """Give each routed request its prefix chain (one tokenizer load per model)."""
+        tokenizers: dict[str, RouteTokenizer | None] = {}
+        work: list[tuple[Prepared, RouteTokenizer]] = []
+        for p in prepared:
+            if p.route_input is not None:
+                if p.model not in tokenizers:
+                    tokenizers[p.model] = yield from self._route_tokenizers.get(p.model)
+                tok = tokenizers[p.model]
+                if tok is not None:
+                    work.append((p, tok))
+        if work:
+            for (p, _), chain in zip(work, (yield from compute_chains(work)), strict=True):
+                p.chain = chain
+
+    def _run_slot(
+        self,
+        call: Callable[[int], RunScript],
+        count: int,
+        meanwhile: Callable[[], None],
+        *,
+        first: bool,
+    ) -> Plan[list[Any]]:
+        """One slot's enqueue calls in one round trip: their replies, or its error per call.
+
+        The ``first`` slot's failure fails the whole submit (nothing is enqueued yet); a later
+        slot's failure is reported per request, since other lanes' requests are already in.
+        """
+        lagged = OutageClock(self.settings.redis_retry_s)
+        while True:
+            try:
+                got: list[Any] = yield RunScripts(
+                    LazyCalls(count, call), meanwhile=meanwhile, confirm=True
+                )
+                return got
+            except ReplicationLagged as exc:  # every request again (same ids: at most once)
+                pause = lagged.next_wait(exc, None)
+                if pause is None and first:
+                    raise
+                if pause is None:
+                    return [exc] * count
+                yield Sleep(pause)
+            except redis.RedisError as exc:
+                if first:
+                    raise
+                return [exc] * count
 
     # -- following requests ---------------------------------------------------------------------
     def _status(self, request_id: str) -> Plan[RequestRecord]:

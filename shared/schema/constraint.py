@@ -49,7 +49,7 @@ class Constraint:
     spec: Any = None
     name: str | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901, PLR0912 (one check per field, in order)
         field = f"structured.{self.kind}"
         if self.kind not in CONSTRAINT_KINDS:
             raise InvalidRequest(

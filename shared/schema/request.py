@@ -83,7 +83,7 @@ class GenerationRequest:
     enqueued_at: float = 0.0
     metadata: dict[str, Any] | None = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901, PLR0912 (one check per field, in order)
         check_request_id(self.request_id)
         check_model_name(self.model)
         object.__setattr__(self, "priority", Priority.parse(self.priority))

@@ -41,7 +41,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # noqa: C901, PLR0912 (one check per field, in order)
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         for name in ("temperature", "top_p"):

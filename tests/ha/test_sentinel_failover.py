@@ -76,7 +76,7 @@ def workers(setup: LocalSentinel, tiny_llama_dir: Path, tmp_path: Path) -> Itera
             w.close()
 
 
-def test_a_failover_mid_run_loses_no_request_and_no_token(
+def test_a_failover_mid_run_loses_no_request_and_no_token(  # noqa: PLR0915 (one scenario)
     setup: LocalSentinel, workers: list[HAWorker], request: pytest.FixtureRequest
 ) -> None:
     sentinel_setup = setup

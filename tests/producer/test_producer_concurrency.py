@@ -63,7 +63,7 @@ def _waiting(r: redis.Redis, keys: Keys) -> dict[Priority, int]:
     return {Priority.parse(row.priority): row.waiting for row in rows}
 
 
-def test_bounds_hold_under_concurrent_producers(
+def test_bounds_hold_under_concurrent_producers(  # noqa: PLR0915 (one scenario)
     redis_url: str, r: redis.Redis, keys: Keys, client: Client
 ) -> None:
     for priority, policy in POLICIES.items():

@@ -212,16 +212,9 @@ class Claimer:
         now = time.monotonic()
         found_dead: set[str] = set()  # owners found dead this round (with dead_for_s)
         for stream in self.claim_streams():
-            inherited = self._inherited.get(stream)
-            if inherited:
-                take = inherited[: budget - len(out)]
-                del inherited[: len(take)]
-                if not inherited:
-                    del self._inherited[stream]
-                replies = self._claim_each(stream, take, self.worker_name)
-                out += self._entries(stream, [e for reply in replies for e in reply])
-                if len(out) >= budget:
-                    break
+            out += self._take_inherited(stream, budget - len(out))
+            if len(out) >= budget:
+                break
             start = self._cursor.get(stream, "-")
             pending = self._pending(stream, start, idle=self.min_idle_ms)
             if pending is None:
@@ -248,12 +241,7 @@ class Claimer:
             if not candidates:
                 continue
             owners = sorted({owner for _, owner in candidates if owner != me})
-            alive = {me}
-            if owners:
-                pipe = self.client.pipeline(transaction=False)
-                for owner in owners:
-                    pipe.exists(self.keys.worker(owner))
-                alive |= {o for o, n in zip(owners, pipe.execute(), strict=True) if n}
+            alive = {me} | self._alive(owners)
             dead = [mid for mid, owner in candidates if owner == me or owner not in alive]
             if self.dead_for_s > 0:
                 ripe = self._dead_long_enough([o for o in owners if o not in alive], now)
@@ -273,6 +261,27 @@ class Claimer:
         else:  # a whole round: forget owners no longer found dead (taken over, or back)
             self._dead_since = {o: t for o, t in self._dead_since.items() if o in found_dead}
         return out
+
+    def _take_inherited(self, stream: str, room: int) -> list[Entry]:
+        """Claim up to ``room`` of the entries inherited on ``stream`` (forgotten once taken)."""
+        inherited = self._inherited.get(stream)
+        if not inherited:
+            return []
+        take = inherited[:room]
+        del inherited[: len(take)]
+        if not inherited:
+            del self._inherited[stream]
+        replies = self._claim_each(stream, take, self.worker_name)
+        return self._entries(stream, [e for reply in replies for e in reply])
+
+    def _alive(self, owners: list[str]) -> set[str]:
+        """Those of ``owners`` whose heartbeat key exists (one round trip)."""
+        if not owners:
+            return set()
+        pipe = self.client.pipeline(transaction=False)
+        for owner in owners:
+            pipe.exists(self.keys.worker(owner))
+        return {o for o, n in zip(owners, pipe.execute(), strict=True) if n}
 
     def _dead_long_enough(self, dead: list[str], now: float) -> set[str]:
         """Of the owners found ``dead`` now, those found dead ``dead_for_s`` ago or earlier."""

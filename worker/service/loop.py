@@ -198,7 +198,9 @@ class WorkerService:
             self.exit_code = EXIT_REDIS_UNAVAILABLE
             return self.exit_code
 
-    def _serve(self) -> int:
+    def _start(self) -> int:
+        """Join the fleet (groups, pool, first heartbeat, inherited entries); returns how many
+        requests were found pending under this name from an earlier process."""
         while True:  # Redis may be starting too: wait for it like for any outage
             try:
                 self.intake.streams.ensure_groups()
@@ -222,6 +224,10 @@ class WorkerService:
             self.ws.model_name,
             ",".join(p.label for p in self.ws.priorities),
         )
+        return inherited
+
+    def _serve(self) -> int:
+        inherited = self._start()
         now = time.monotonic()
         next_beat = now + HEARTBEAT_INTERVAL_S
         next_claim = now + (0.0 if inherited else random.uniform(0, self.ws.claim_interval_s))
