@@ -98,265 +98,10 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
-class _Root:
-    """What every name starts with, a base of :class:`Keys` (whose fields these are)."""
-
-    __slots__ = ()
-    prefix: str
-    cluster: bool
-    lane: str
-
-    @property
-    def root(self) -> str:
-        """A lane room's first segment: ``prefix``, or on a cluster ``{prefix|lane}``."""
-        return f"{{{self.prefix}|{self.lane}}}" if self.cluster and self.lane else self.fleet_root
-
-    @property
-    def fleet_root(self) -> str:
-        """A fleet room's first segment: ``prefix``, or on a cluster ``{prefix}``."""
-        return f"{{{self.prefix}}}" if self.cluster else self.prefix
-
-    def pool_root(self, name: str) -> str:
-        """The first segment of pool ``name``'s names: the fleet's (every pool script also keeps
-        the pool list, ``Keys.pools``; a pool's traffic is light; docs/protocol.md)."""
-        del name  # (one place to change should a pool get a slot of its own)
-        return self.fleet_root
-
-    @property
-    def publish_command(self) -> str:
-        """The command that publishes on this fleet's channels (scripts get it in ARGV):
-        ``PUBLISH``, or ``SPUBLISH`` on a cluster (sharded: it stays on the slot's shard)."""
-        return "SPUBLISH" if self.cluster else "PUBLISH"
-
-
-class _GatewayKeys(_Root):
-    """The HTTP gateway's names, a base of :class:`Keys` (one class per room of the layout)."""
-
-    __slots__ = ()
-
-    # -- gateway API keys ---------------------------------------------------------------------
-    def api_key(self, key_id: str) -> str:
-        """Hash: one API key's record (digest, never the key) and its quota buckets."""
-        return f"{self.fleet_root}:apikey:{key_id}"
-
-    @property
-    def api_keys(self) -> str:
-        """Set of the ids of every API key ever created (revoked ones stay listed)."""
-        return f"{self.fleet_root}:apikeys"
-
-    @property
-    def api_key_names(self) -> str:
-        """Hash: name -> id of each live API key (names are unique among live keys)."""
-        return f"{self.fleet_root}:apikeys:names"
-
-
-class _BatchKeys(_Root):
-    """The Batch API's names (files, batches, ledgers, leases), a base of :class:`Keys`."""
-
-    __slots__ = ()
-
-    def file(self, file_id: str) -> str:
-        """Hash: one Batch API file's object."""
-        return f"{self.fleet_root}:file:{file_id}"
-
-    def file_lines(self, file_id: str) -> str:
-        """List: the file's JSONL lines (no newlines)."""
-        return f"{self.fleet_root}:file:{file_id}:lines"
-
-    def batch(self, batch_id: str) -> str:
-        """Hash: one batch's object, counts and cursor."""
-        return f"{self.fleet_root}:batch:{batch_id}"
-
-    def batch_done(self, batch_id: str) -> str:
-        """Hash: line index -> "ok" | "err" (the exactly-once ledger)."""
-        return f"{self.fleet_root}:batch:{batch_id}:done"
-
-    def batch_lease(self, batch_id: str) -> str:
-        """String: the driving runner's token, with a PX expiry."""
-        return f"{self.fleet_root}:batch:{batch_id}:lease"
-
-    @property
-    def batches(self) -> str:
-        """Sorted set: batch id -> created_at."""
-        return f"{self.fleet_root}:batches"
-
-    @property
-    def batches_active(self) -> str:
-        """Set: ids of the batches runners drive (not final yet)."""
-        return f"{self.fleet_root}:batches:active"
-
-    @property
-    def owners(self) -> str:
-        """Hash: file or batch id -> the id of the API key that owns it (keys on)."""
-        return f"{self.fleet_root}:owners"
-
-
-class _QueueKeys(_Root):
-    """Queues: streams, their settings, their counters."""
-
-    __slots__ = ()
-
-    def stream(self, model: str, priority: Priority) -> str:
-        """The stream holding one (model, priority) queue."""
-        return f"{self.root}:q:{model}:{priority.label}"
-
-    def queue_config(self, model: str, priority: Priority) -> str:
-        """Hash with the queue's ``max_waiting`` and ``policy``."""
-        return f"{self.root}:qcfg:{model}:{priority.label}"
-
-    @property
-    def queues(self) -> str:
-        """Set of ``model|label`` names of every queue used so far."""
-        return f"{self.root}:queues"
-
-    @property
-    def drained(self) -> str:
-        """Hash: ``model|label`` -> how many requests workers have started from that queue (a
-        counter; its rate is the queue's drain rate, read by the gateway for Retry-After)."""
-        return f"{self.root}:drained"
-
-    @property
-    def tally(self) -> str:
-        """Hash: each queue's ends per terminal status, in all and per minute (``tally``)."""
-        return f"{self.root}:tally"
-
-    @staticmethod
-    def queue_member(model: str, priority: Priority) -> str:
-        """The member naming a queue in :attr:`queues`."""
-        return f"{model}|{priority.label}"
-
-
-class _RequestKeys(_Root):
-    """One request's record, tokens and channel; the cancel set."""
-
-    __slots__ = ()
-
-    def record(self, request_id: str) -> str:
-        """Hash: the request's durable record."""
-        return f"{self.root}:req:{request_id}"
-
-    def tokens(self, request_id: str) -> str:
-        """List of encoded token events; element ``i`` has index ``i``."""
-        return f"{self.root}:req:{request_id}:tok"
-
-    def channel(self, request_id: str) -> str:
-        """Pub/sub channel carrying the request's token and terminal events."""
-        return f"{self.root}:ch:{request_id}"
-
-    @property
-    def recent(self) -> str:
-        """List: the newest requests' ids, newest first, trimmed to ``RECENT_REQUESTS``."""
-        return f"{self.root}:recent"
-
-    @property
-    def cancel_set(self) -> str:
-        """Set of running request ids whose cancellation was asked for."""
-        return f"{self.root}:cancel"
-
-
-class _WorkerKeys(_Root):
-    """Workers' heartbeats and the dead-letter stream."""
-
-    __slots__ = ()
-
-    def worker(self, name: str) -> str:
-        """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
-        return f"{self.root}:worker:{name}"
-
-    def worker_probe(self, name: str) -> str:
-        """String: what worker ``name`` writes (short TTL) while it waits out an outage."""
-        return f"{self.root}:probe:{name}"
-
-    @property
-    def workers(self) -> str:
-        """Sorted set: worker name -> time of its last heartbeat (epoch seconds)."""
-        return f"{self.root}:workers"
-
-    @property
-    def dead_letter(self) -> str:
-        """Stream of entries no worker could run, and of requests that ended ``error``."""
-        return f"{self.root}:dead"
-
-    @property
-    def served(self) -> str:
-        """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
-        serves that model (``ZADD GT``: its servers' latest expiry); served while in the future."""
-        return f"{self.root}:served"
-
-    @property
-    def declared(self) -> str:
-        """Set: model names the fleet declares (``tokenfleet models declare``), accepted at
-        submit even while no live worker serves them."""
-        return f"{self.root}:models"
-
-    @property
-    def lanes(self) -> str:
-        """Set (a fleet room): every model that has a lane, i.e. whose names were ever written
-        (producers add a model before its first enqueue or queue setting, workers each beat):
-        what lane-less readers (``tokenfleet status``, a lookup by id) go through on a cluster."""
-        return f"{self.fleet_root}:lanes"
-
-
-class _RouteKeys(_Root):
-    """Routing (docs/routing.md): per-worker routed streams, who takes routed work, what each
-    worker's cache holds, sessions pinned to workers."""
-
-    __slots__ = ()
-
-    def routed(self, model: str, priority: Priority, worker: str) -> str:
-        """Stream: the requests of queue (``model``, ``priority``) routed to ``worker``."""
-        return f"{self.root}:rq:{model}:{priority.label}:{worker}"
-
-    def routers(self, model: str) -> str:
-        """Sorted set: worker -> heartbeat expiry (epoch s) of the workers taking routed work
-        for ``model``; a worker is a routing target while its score is in the future."""
-        return f"{self.root}:routers:{model}"
-
-    def route_load(self, model: str) -> str:
-        """Hash: worker -> "RUNNING MAX_NUM_SEQS" for ``model``'s routed workers (heartbeat)."""
-        return f"{self.root}:rload:{model}"
-
-    def route_tokenizer(self, model: str) -> str:
-        """Hash: how ``model``'s workers turn a prompt into tokens (tokenizer JSON, chat template,
-        special tokens, block size), so producers compute the engine's block hashes."""
-        return f"{self.root}:rtok:{model}"
-
-    def prefixes(self, worker: str) -> str:
-        """Set: prefix-chain link hashes (hex) ``worker`` holds in its cache."""
-        return f"{self.root}:pfx:{worker}"
-
-    def session(self, session_hash: str) -> str:
-        """String: the worker the session (``session_hash``: a hash of its key) is pinned to."""
-        return f"{self.root}:session:{session_hash}"
-
-
-class _PoolKeys(_Root):
-    """Shared KV pools."""
-
-    __slots__ = ()
-
-    def pool(self, name: str) -> str:
-        """Hash: a shared KV pool's settings."""
-        return f"{self.pool_root(name)}:pool:{name}"
-
-    def pool_members(self, name: str) -> str:
-        """Hash: member -> encoded member state of a shared KV pool."""
-        return f"{self.pool_root(name)}:pool:{name}:members"
-
-    def pool_preemptions(self, name: str) -> str:
-        """Hash: donor member -> encoded pending preemption request."""
-        return f"{self.pool_root(name)}:pool:{name}:preempt"
-
-    @property
-    def pools(self) -> str:
-        """Set of pool names."""
-        return f"{self.fleet_root}:pools"
-
-
 @dataclass(frozen=True, slots=True)
-class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _GatewayKeys, _BatchKeys):
-    """Builds names under one prefix. Cheap to construct; holds no connection. Its methods come
-    in groups, one base class per room of the layout above.
+class Keys:
+    """Builds names under one prefix. Cheap to construct; holds no connection. Its names come
+    in groups, one per room of the layout above.
 
     ``cluster`` (Redis Cluster mode, built by :meth:`for_settings`): every name starts with a
     hash tag, so that every script, MULTI and pipeline stays inside one slot while one fleet
@@ -398,3 +143,213 @@ class Keys(_QueueKeys, _RequestKeys, _WorkerKeys, _RouteKeys, _PoolKeys, _Gatewa
     def laned(self) -> bool:
         """Whether lanes have names of their own (cluster mode; readers use :attr:`lanes`)."""
         return self.cluster
+
+    # -- where names start -------------------------------------------------------------------------
+    @property
+    def root(self) -> str:
+        """A lane room's first segment: ``prefix``, or on a cluster ``{prefix|lane}``."""
+        return f"{{{self.prefix}|{self.lane}}}" if self.cluster and self.lane else self.fleet_root
+
+    @property
+    def fleet_root(self) -> str:
+        """A fleet room's first segment: ``prefix``, or on a cluster ``{prefix}``."""
+        return f"{{{self.prefix}}}" if self.cluster else self.prefix
+
+    def pool_root(self, name: str) -> str:
+        """The first segment of pool ``name``'s names: the fleet's (every pool script also keeps
+        the pool list, ``Keys.pools``; a pool's traffic is light; docs/protocol.md)."""
+        del name  # (one place to change should a pool get a slot of its own)
+        return self.fleet_root
+
+    @property
+    def publish_command(self) -> str:
+        """The command that publishes on this fleet's channels (scripts get it in ARGV):
+        ``PUBLISH``, or ``SPUBLISH`` on a cluster (sharded: it stays on the slot's shard)."""
+        return "SPUBLISH" if self.cluster else "PUBLISH"
+
+    # -- queues: streams, their settings, their counters -------------------------------------------
+    def stream(self, model: str, priority: Priority) -> str:
+        """The stream holding one (model, priority) queue."""
+        return f"{self.root}:q:{model}:{priority.label}"
+
+    def queue_config(self, model: str, priority: Priority) -> str:
+        """Hash with the queue's ``max_waiting`` and ``policy``."""
+        return f"{self.root}:qcfg:{model}:{priority.label}"
+
+    @property
+    def queues(self) -> str:
+        """Set of ``model|label`` names of every queue used so far."""
+        return f"{self.root}:queues"
+
+    @property
+    def drained(self) -> str:
+        """Hash: ``model|label`` -> how many requests workers have started from that queue (a
+        counter; its rate is the queue's drain rate, read by the gateway for Retry-After)."""
+        return f"{self.root}:drained"
+
+    @property
+    def tally(self) -> str:
+        """Hash: each queue's ends per terminal status, in all and per minute (``tally``)."""
+        return f"{self.root}:tally"
+
+    @staticmethod
+    def queue_member(model: str, priority: Priority) -> str:
+        """The member naming a queue in :attr:`queues`."""
+        return f"{model}|{priority.label}"
+
+    # -- one request's record, tokens and channel; the cancel set ----------------------------------
+    def record(self, request_id: str) -> str:
+        """Hash: the request's durable record."""
+        return f"{self.root}:req:{request_id}"
+
+    def tokens(self, request_id: str) -> str:
+        """List of encoded token events; element ``i`` has index ``i``."""
+        return f"{self.root}:req:{request_id}:tok"
+
+    def channel(self, request_id: str) -> str:
+        """Pub/sub channel carrying the request's token and terminal events."""
+        return f"{self.root}:ch:{request_id}"
+
+    @property
+    def recent(self) -> str:
+        """List: the newest requests' ids, newest first, trimmed to ``RECENT_REQUESTS``."""
+        return f"{self.root}:recent"
+
+    @property
+    def cancel_set(self) -> str:
+        """Set of running request ids whose cancellation was asked for."""
+        return f"{self.root}:cancel"
+
+    # -- workers' heartbeats, the fleet's registry, the dead-letter stream -------------------------
+    def worker(self, name: str) -> str:
+        """Hash: one worker's heartbeat and stats; expires when the worker stops beating."""
+        return f"{self.root}:worker:{name}"
+
+    def worker_probe(self, name: str) -> str:
+        """String: what worker ``name`` writes (short TTL) while it waits out an outage."""
+        return f"{self.root}:probe:{name}"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set: worker name -> time of its last heartbeat (epoch seconds)."""
+        return f"{self.root}:workers"
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream of entries no worker could run, and of requests that ended ``error``."""
+        return f"{self.root}:dead"
+
+    @property
+    def served(self) -> str:
+        """Sorted set: model -> epoch seconds until which a live worker's heartbeat says it
+        serves that model (``ZADD GT``: its servers' latest expiry); served while in the future."""
+        return f"{self.root}:served"
+
+    @property
+    def declared(self) -> str:
+        """Set: model names the fleet declares (``tokenfleet models declare``), accepted at
+        submit even while no live worker serves them."""
+        return f"{self.root}:models"
+
+    @property
+    def lanes(self) -> str:
+        """Set (a fleet room): every model that has a lane, i.e. whose names were ever written
+        (producers add a model before its first enqueue or queue setting, workers each beat):
+        what lane-less readers (``tokenfleet status``, a lookup by id) go through on a cluster."""
+        return f"{self.fleet_root}:lanes"
+
+    # -- routing (docs/routing.md): routed streams, routers, caches held, sessions -----------------
+    def routed(self, model: str, priority: Priority, worker: str) -> str:
+        """Stream: the requests of queue (``model``, ``priority``) routed to ``worker``."""
+        return f"{self.root}:rq:{model}:{priority.label}:{worker}"
+
+    def routers(self, model: str) -> str:
+        """Sorted set: worker -> heartbeat expiry (epoch s) of the workers taking routed work
+        for ``model``; a worker is a routing target while its score is in the future."""
+        return f"{self.root}:routers:{model}"
+
+    def route_load(self, model: str) -> str:
+        """Hash: worker -> "RUNNING MAX_NUM_SEQS" for ``model``'s routed workers (heartbeat)."""
+        return f"{self.root}:rload:{model}"
+
+    def route_tokenizer(self, model: str) -> str:
+        """Hash: how ``model``'s workers turn a prompt into tokens (tokenizer JSON, chat template,
+        special tokens, block size), so producers compute the engine's block hashes."""
+        return f"{self.root}:rtok:{model}"
+
+    def prefixes(self, worker: str) -> str:
+        """Set: prefix-chain link hashes (hex) ``worker`` holds in its cache."""
+        return f"{self.root}:pfx:{worker}"
+
+    def session(self, session_hash: str) -> str:
+        """String: the worker the session (``session_hash``: a hash of its key) is pinned to."""
+        return f"{self.root}:session:{session_hash}"
+
+    # -- shared KV pools ---------------------------------------------------------------------------
+    def pool(self, name: str) -> str:
+        """Hash: a shared KV pool's settings."""
+        return f"{self.pool_root(name)}:pool:{name}"
+
+    def pool_members(self, name: str) -> str:
+        """Hash: member -> encoded member state of a shared KV pool."""
+        return f"{self.pool_root(name)}:pool:{name}:members"
+
+    def pool_preemptions(self, name: str) -> str:
+        """Hash: donor member -> encoded pending preemption request."""
+        return f"{self.pool_root(name)}:pool:{name}:preempt"
+
+    @property
+    def pools(self) -> str:
+        """Set of pool names."""
+        return f"{self.fleet_root}:pools"
+
+    # -- gateway API keys --------------------------------------------------------------------------
+    def api_key(self, key_id: str) -> str:
+        """Hash: one API key's record (digest, never the key) and its quota buckets."""
+        return f"{self.fleet_root}:apikey:{key_id}"
+
+    @property
+    def api_keys(self) -> str:
+        """Set of the ids of every API key ever created (revoked ones stay listed)."""
+        return f"{self.fleet_root}:apikeys"
+
+    @property
+    def api_key_names(self) -> str:
+        """Hash: name -> id of each live API key (names are unique among live keys)."""
+        return f"{self.fleet_root}:apikeys:names"
+
+    # -- the Batch API (files, batches, ledgers, leases) -------------------------------------------
+    def file(self, file_id: str) -> str:
+        """Hash: one Batch API file's object."""
+        return f"{self.fleet_root}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List: the file's JSONL lines (no newlines)."""
+        return f"{self.fleet_root}:file:{file_id}:lines"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: one batch's object, counts and cursor."""
+        return f"{self.fleet_root}:batch:{batch_id}"
+
+    def batch_done(self, batch_id: str) -> str:
+        """Hash: line index -> "ok" | "err" (the exactly-once ledger)."""
+        return f"{self.fleet_root}:batch:{batch_id}:done"
+
+    def batch_lease(self, batch_id: str) -> str:
+        """String: the driving runner's token, with a PX expiry."""
+        return f"{self.fleet_root}:batch:{batch_id}:lease"
+
+    @property
+    def batches(self) -> str:
+        """Sorted set: batch id -> created_at."""
+        return f"{self.fleet_root}:batches"
+
+    @property
+    def batches_active(self) -> str:
+        """Set: ids of the batches runners drive (not final yet)."""
+        return f"{self.fleet_root}:batches:active"
+
+    @property
+    def owners(self) -> str:
+        """Hash: file or batch id -> the id of the API key that owns it (keys on)."""
+        return f"{self.fleet_root}:owners"
