@@ -18,6 +18,10 @@ cannot start may preempt running work (``preemption.admission_victim``): one sho
 preempts running requests of a strictly less urgent priority that are not boosted; a boosted one
 preempts anything less urgent than itself.
 
+Background (``batch``) work sits a step out while more urgent work needs a prefill (running with
+more than one token to compute, or waiting), at most ``max_yield_steps`` steps in a row; when the
+urgent work cannot start after all, background work takes the step (``_background_yields``).
+
 Shared KV pool (issue 6): the block manager's ``block_limit`` is the member's grant. Admission and
 growth stay within it; when it was lowered below the blocks in use, the next ``schedule`` first
 preempts the least urgent running requests until within. With a compute share, the pool also caps
@@ -34,15 +38,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenfleet.shared.block_hash import extend_block_hashes
+from tokenfleet.shared.priority import BACKGROUND
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
-from tokenfleet.worker.engine.block_manager import BlockManager, num_blocks_for
+from tokenfleet.worker.engine.block_manager import AllocStatus, BlockManager, num_blocks_for
+from tokenfleet.worker.engine.preemption import admission_victim
 from tokenfleet.worker.engine.request import FinishReason, Request, RequestStatus
-from tokenfleet.worker.engine.step_phases import (
-    StepPhases,
-    background,
-    not_background,
-    sort_key,
-)
+
+
+def sort_key(req: Request) -> tuple[int, int, float, int]:
+    return req.sort_key
+
+
+def background(req: Request) -> bool:
+    return req.priority is BACKGROUND
+
+
+def not_background(req: Request) -> bool:
+    return req.priority is not BACKGROUND
 
 
 @dataclass(slots=True)
@@ -83,7 +95,7 @@ class SchedulerOutput:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admissions
 
 
-class Scheduler(StepPhases):
+class Scheduler:
     """Owns the waiting and running queues.
 
     Invariants:
@@ -215,6 +227,124 @@ class Scheduler(StepPhases):
             self.block_manager.cache_blocks(
                 req.request_id, req.block_hashes, req.num_computed_tokens
             )
+
+    # ---------------------------------------------------------------------------- the step's phases
+
+    def _background_yields(self) -> bool:
+        """Whether background work sits out this step: more urgent work needs a prefill (running
+        with more than one token to compute, or waiting) while background work runs, and it has
+        not sat out ``max_yield_steps`` steps in a row (then it joins this one)."""
+        cfg = self.config
+        if not cfg.background_yields or self._yielded >= cfg.max_yield_steps:
+            return False
+        if not any(r.priority is BACKGROUND for r in self.running):
+            return False
+        return any(r.priority is not BACKGROUND for r in self.waiting) or any(
+            r.priority is not BACKGROUND and r.num_tokens - r.num_computed_tokens > 1
+            for r in self.running
+        )
+
+    def _schedule_decodes(
+        self,
+        out: SchedulerOutput,
+        decode: dict[str, ScheduledSeq],
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        only: Callable[[Request], bool] | None,
+    ) -> int:
+        """One token each for running requests one token behind (those ``only`` accepts, if
+        given), most urgent first; preempts the least urgent to make room. Returns the budget
+        left."""
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if (
+                req.request_id not in decode
+                and (only is None or only(req))
+                and req.num_tokens - req.num_computed_tokens == 1
+            ):
+                while not self._reserve_slots(req):
+                    victim = self.running[-1]
+                    budget += self._preempt(victim, out, decode, prefill)
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    break  # it was the least urgent: everything after it is preempted too
+                decode[req.request_id] = self._chunk(req, 1)
+                budget -= 1
+            i += 1
+        return budget
+
+    def _schedule_prefills(
+        self,
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        only: Callable[[Request], bool] | None,
+    ) -> int:
+        """The next chunk of running requests further behind (those ``only`` accepts)."""
+        for req in self.running:
+            if budget <= 0:
+                break
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > 1 and req.request_id not in prefill and (only is None or only(req)):
+                n = min(num_new, budget)
+                prefill[req.request_id] = self._chunk(req, n)
+                budget -= n
+        return budget
+
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        decode: dict[str, ScheduledSeq],
+        prefill: dict[str, ScheduledSeq],
+        budget: int,
+        *,
+        stop_at_background: bool,
+    ) -> int:
+        """Admit waiting requests, most urgent first; stop at the first that cannot start (no
+        skipping), or at the first background one when ``stop_at_background``."""
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            if stop_at_background and req.priority is BACKGROUND:
+                break
+            refusal = self.refusal(req)
+            if refusal is not None:
+                self.waiting.pop(0)
+                self._mark_finished(req, FinishReason.ERROR, *refusal)
+                out.finished.append(req)
+                continue
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
+            fits = (
+                len(self.running) < self.config.max_num_seqs
+                and self.block_manager.can_allocate(req.num_tokens, req.block_hashes)
+                is AllocStatus.NOW
+            )
+            if not fits:
+                make_room = admission_victim(
+                    req,
+                    self.running,
+                    self.block_manager,
+                    take_background_slots=self.config.background_yields,
+                )
+                if make_room is None:
+                    break
+                budget += self._preempt(make_room, out, decode, prefill)
+                continue
+            self.waiting.pop(0)
+            num_cached = self.block_manager.allocate(
+                req.request_id, req.num_tokens, req.block_hashes
+            )
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = req.num_cached_tokens = num_cached
+            out.num_cached_tokens += num_cached
+            bisect.insort(self.running, req, key=sort_key)
+            n = min(req.num_tokens - num_cached, budget)
+            prefill[req.request_id] = self._chunk(req, n)
+            budget -= n
+        return budget
+
+    def _by_id(self, request_id: str) -> Request:
+        return next(r for r in self.running if r.request_id == request_id)
 
     # ------------------------------------------------------------------------------ helpers
 
