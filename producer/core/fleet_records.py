@@ -18,7 +18,6 @@ from redis.commands.core import HashCommands, ListCommands, StreamCommands
 
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Command, Plan, Transaction
-from tokenfleet.producer.core.fleet_views import FleetViews
 from tokenfleet.producer.core.request import prepared_for
 from tokenfleet.shared.dead_letters import DeadLetter, parse_entries
 from tokenfleet.shared.errors import InvalidRequest, ProtocolError, UnknownRequest
@@ -57,7 +56,7 @@ def _limit(limit: int) -> int:
     return limit
 
 
-def recent_requests(views: FleetViews, limit: int) -> Plan[list[RequestRecord]]:
+def recent_requests(views: ClientCore[Any], limit: int) -> Plan[list[RequestRecord]]:
     """The ``limit`` newest requests whose records still exist, newest first (``Keys.recent``
     of each lane, then their records)."""
     limit = _limit(limit)
@@ -83,7 +82,7 @@ def recent_requests(views: FleetViews, limit: int) -> Plan[list[RequestRecord]]:
     return found[:limit]
 
 
-def dead_letters(views: FleetViews, limit: int) -> Plan[list[tuple[str, DeadLetter]]]:
+def dead_letters(views: ClientCore[Any], limit: int) -> Plan[list[tuple[str, DeadLetter]]]:
     """The ``limit`` newest dead letters of each lane, newest first: ``(lane, letter)``."""
     limit = _limit(limit)
     out: list[tuple[str, DeadLetter]] = []
@@ -93,7 +92,7 @@ def dead_letters(views: FleetViews, limit: int) -> Plan[list[tuple[str, DeadLett
     return out
 
 
-def _dead_letter(views: FleetViews, lane: str, entry: str) -> Plan[tuple[Keys, DeadLetter]]:
+def _dead_letter(views: ClientCore[Any], lane: str, entry: str) -> Plan[tuple[Keys, DeadLetter]]:
     keys = views._keys.for_model(lane) if lane else views._keys
     found = yield Command(StreamCommands.xrange, (keys.dead_letter, entry, entry, 1))
     letters = parse_entries(found) if _is_entry_id(entry) else []
@@ -134,7 +133,7 @@ def requeue(core: ClientCore[Any], lane: str, entry: str) -> Plan[str]:
     return again.request_id
 
 
-def discard(views: FleetViews, lane: str, entry: str) -> Plan[bool]:
+def discard(views: ClientCore[Any], lane: str, entry: str) -> Plan[bool]:
     """Delete dead letter ``entry`` of ``lane``; whether it was there."""
     keys = views._keys.for_model(lane) if lane else views._keys
     if not _is_entry_id(entry):

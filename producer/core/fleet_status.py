@@ -37,8 +37,8 @@ from redis.commands.core import (
     StreamCommands,
 )
 
+from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Command, Plan, RunScript, Transaction
-from tokenfleet.producer.core.fleet_views import FleetViews
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
@@ -46,7 +46,7 @@ from tokenfleet.shared.record import as_str
 from tokenfleet.shared.tally import no_ends, queue_ends
 
 
-def fleet_status(views: FleetViews) -> Plan[dict[str, Any]]:
+def fleet_status(views: ClientCore[Any]) -> Plan[dict[str, Any]]:
     """The snapshot described in the module docstring."""
     now = time.time()
     queues = [q.to_dict() for q in (yield from views._queue_stats())]
