@@ -37,8 +37,8 @@ from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
 from tokenfleet.worker.devtools.local_redis import RedisServer
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
 
 PROMPT = "Summarise the following paragraph in one sentence: " + "lorem ipsum " * 20
 BATCH = 1000

@@ -76,3 +76,23 @@ def test_the_check_sees_relative_and_from_imports() -> None:
         "from .devtools import commands\n", "tokenfleet.worker", is_package=True
     )
     assert any(m.startswith(DEVTOOLS) for m in _imports_of(ROOT / "worker" / "cli.py"))
+
+
+TESTING = f"{DEVTOOLS}.testing"
+
+
+def test_only_the_testing_harnesses_import_each_other() -> None:
+    # The test-only harnesses (local Sentinel, Cluster, TLS) serve the tests and benchmarks: no
+    # module of the three packages outside ``devtools.testing`` imports them, the CLI included.
+    files = [p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
+    outside = [p for p in files if not _module_name(p)[0].startswith(TESTING)]
+    assert ROOT / "worker" / "cli.py" in outside
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(m for m in _imports_of(path) if m.startswith(TESTING))
+        for path in outside
+    }
+    assert {path: mods for path, mods in offenders.items() if mods} == {}
+    assert imported_modules("from .testing import local_tls\n", DEVTOOLS, is_package=True) >= {
+        TESTING,
+        f"{TESTING}.local_tls",
+    }

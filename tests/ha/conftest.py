@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 
 
 @pytest.fixture(scope="session")

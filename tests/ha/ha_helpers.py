@@ -19,8 +19,8 @@ import redis
 from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 
 DEADLINE_S = 120.0  # failure guard only: every wait polls for a state
 NOWHERE_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: proves the sentinels are used

@@ -18,7 +18,7 @@ from ha_helpers import DEADLINE_S, HAWorker, seed_url, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 PREFIX = "hacla"

@@ -37,7 +37,7 @@ from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 16

@@ -38,7 +38,7 @@ from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.cli import main
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
 from tokenfleet.worker.pool.admin import create_pool, pool_snapshot
 from tokenfleet.worker.pool.config import PoolConfig
 

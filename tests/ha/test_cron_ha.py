@@ -20,8 +20,8 @@ from rq.serializers import JSONSerializer
 from tokenfleet.producer import Client, cron
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 
 CRON_CONFIG = str(Path(__file__).resolve().parents[2] / "examples" / "cron_config.py")
 CRON_QUEUE = "tokenfleet-cron"  # the config's queue; its job asks for priority batch

@@ -25,7 +25,7 @@ from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 
 pytestmark = pytest.mark.slow
 PREFIX = "haminrep"

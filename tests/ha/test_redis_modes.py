@@ -25,8 +25,8 @@ from tokenfleet.shared.redis_connect import async_redis_client, redis_client
 from tokenfleet.shared.redis_flags import add_redis_flags, redis_env, settings_from_flags
 from tokenfleet.shared.sentinel_connection import PrimaryConnection, PrimarySSLConnection
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_cluster import LocalCluster
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 from tokenfleet.worker.pipelined import dedicated_connection
 
 SENTINEL_ENV = {

@@ -32,7 +32,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
 
 pytestmark = pytest.mark.slow
 PREFIX = "hafo"

@@ -25,8 +25,8 @@ from tokenfleet.producer import Client
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.devtools.local_sentinel import LocalSentinel
-from tokenfleet.worker.devtools.local_tls import TlsFiles, make_certs
+from tokenfleet.worker.devtools.testing.local_sentinel import LocalSentinel
+from tokenfleet.worker.devtools.testing.local_tls import TlsFiles, make_certs
 
 pytestmark = pytest.mark.slow
 PREFIX = "hasec"

@@ -1,8 +1,9 @@
 """Demo and developer tooling: everything that runs the project locally, none of it the service.
 
 * ``local_redis`` finds or starts a private redis-server (the demo, the test suite, benchmarks);
-* ``local_sentinel`` / ``local_cluster`` start a private Redis Sentinel setup / Redis Cluster
-  on loopback ports (tests/ha, the cluster benchmark);
+* ``testing`` holds harnesses for the tests and benchmarks only: a private Redis Sentinel setup
+  and Redis Cluster on loopback ports, throwaway TLS certificates (tests/ha, the cluster
+  benchmark);
 * ``local_fleet`` starts and stops worker processes on this machine (demo, end-to-end benchmark);
 * ``tiny_model`` builds the project's tiny random model (tests, demo, benchmarks, compose);
 * ``commands`` holds the ``demo``, ``make-tiny-model`` and ``bench`` subcommands.

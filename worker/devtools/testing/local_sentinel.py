@@ -32,7 +32,7 @@ from typing import Any
 import redis
 
 from tokenfleet.worker.devtools.local_redis import find_redis_server, free_port
-from tokenfleet.worker.devtools.local_tls import TlsFiles
+from tokenfleet.worker.devtools.testing.local_tls import TlsFiles
 
 QUORUM = 2  # of 3 sentinels
 
