@@ -41,6 +41,8 @@ from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Command, Plan, RunScript, Transaction
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.pool.scripts import POOL_INSPECT, pool_keys
+from tokenfleet.shared.pool.view import pool_view
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.tally import no_ends, queue_ends
@@ -211,12 +213,9 @@ def waiting_on_models(
 def _pools(keys: Keys) -> Plan[list[dict[str, Any]]]:
     """Every shared KV pool as its inspect script sees it (members, weights, holdings, caps).
 
-    The pool wing is the worker's (``tokenfleet.worker.pool``): its accounting rules live once,
-    in its Lua; this reader borrows its read-only inspect script and the parse of its reply
-    (neither imports torch), rather than restating either."""
-    from tokenfleet.worker.pool.admin import pool_view
-    from tokenfleet.worker.pool.scripts import POOL_INSPECT, pool_keys
-
+    The accounting rules live once, in the pool's Lua (``tokenfleet.shared.pool``); this reader
+    runs its read-only inspect script and the parse of its reply that ``tokenfleet pool show``
+    also uses, rather than restating either."""
     names = sorted(as_str(n) or "" for n in (yield Command(SetCommands.smembers, (keys.pools,))))
     views = []
     for name in names:

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.pool import scripts
 from tokenfleet.shared.scripts.registry import LuaScript
-from tokenfleet.worker.pool import config, scripts
+from tokenfleet.worker.pool import config
 
-LUA = resources.files("tokenfleet.worker.pool.lua")
+LUA = resources.files("tokenfleet.shared.pool.lua")
 SCRIPTS = {
     "pool_create.lua": scripts.POOL_CREATE,
     "pool_join.lua": scripts.POOL_JOIN,

@@ -1,10 +1,10 @@
 """Shared KV pools (issue 6, docs/kv-pools.md): the pool wing of the worker.
 
-One folder for everything about a pool, from the Redis scripts up to the CLI:
+One folder for a pool's member and administrator, up to the CLI. The pool's protocol — its
+atomic accounting scripts (one ``.lua`` file each with its KEYS/ARGV header), their ``KEYS`` and
+the parse of the inspect reply — is in :mod:`tokenfleet.shared.pool`, because producers read
+pools too (``tokenfleet status``, the console) and a producer never imports the worker:
 
-* ``lua/`` — the atomic accounting scripts, one ``.lua`` file each with its KEYS/ARGV header;
-* :mod:`.scripts` — loads them once, and the pool's ``KEYS`` (the accounting rules are in its
-  docstring);
 * :mod:`.config` — :class:`~.config.PoolConfig` and the pool's limits;
 * :mod:`.orders`, :mod:`.grant` — what a step asks and what the pool answers;
 * :mod:`.chunking` — how much to ask ahead and give back (:func:`~.chunking.plan_blocks`);

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import Keys
-from tokenfleet.shared.scripts import registry
-from tokenfleet.worker.pool.config import PoolConfig
-from tokenfleet.worker.pool.scripts import (
+from tokenfleet.shared.pool.scripts import (
     POOL_ADVANCE_CLOCK,
     POOL_CREATE,
     POOL_INSPECT,
     pool_keys,
 )
+from tokenfleet.shared.pool.view import pool_view
+from tokenfleet.shared.scripts import registry
+from tokenfleet.worker.pool.config import PoolConfig
 
 
 def _text(value: Any) -> str:
@@ -52,25 +51,3 @@ def pool_snapshot(client: Any, keys: Keys, name: str) -> dict[str, Any]:
     """
     reply = registry.call(client, POOL_INSPECT, pool_keys(keys, name), [])
     return pool_view(name, reply)
-
-
-def pool_view(name: str, reply: list[Any]) -> dict[str, Any]:
-    """A checked ``POOL_INSPECT`` reply as :func:`pool_snapshot` returns it (no I/O: the fleet
-    status plan, ``producer.core.fleet_status``, runs the script on either client face)."""
-    view: dict[str, Any] = orjson.loads(reply[1])
-    view["name"] = name
-    # cjson writes an empty Lua table as {}: normalise the lists.
-    for field in ("members", "preemptions"):
-        if not isinstance(view.get(field), list):
-            view[field] = []
-    for member in view["members"]:
-        member["weight"] = member.pop("weight_milli") / 1000
-        member["active"] = bool(member["active"])
-        if not isinstance(member["blocks_by_priority"], list):
-            member["blocks_by_priority"] = []
-    for order in view["preemptions"]:
-        order["delivered"] = bool(order["delivered"])
-    view["members"].sort(key=lambda m: m["name"])
-    view["preemptions"].sort(key=lambda o: o["id"])
-    view["free"] = view["total"] - view["held"]
-    return view

@@ -34,7 +34,8 @@ class PoolConfig:
         round_ms: the compute share's period: a member computes at most its share of
             ``token_budget`` per ``round_ms`` of wall time.
         clock: ``redis`` (server ``TIME``) or ``manual`` (advanced only by
-            :data:`.scripts.POOL_ADVANCE_CLOCK`; for deterministic tests and simulations).
+            ``POOL_ADVANCE_CLOCK`` of :mod:`tokenfleet.shared.pool.scripts`; for deterministic
+            tests and simulations).
     """
 
     total_blocks: int
@@ -60,7 +61,8 @@ class PoolConfig:
             raise InvalidRequest(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
 
     def args(self, name: str) -> list[str]:
-        """The ten settings arguments of :data:`.scripts.POOL_CREATE` (``ARGV[1..10]``)."""
+        """The ten settings arguments of ``POOL_CREATE`` (``ARGV[1..10]``;
+        :mod:`tokenfleet.shared.pool.scripts`)."""
         return [
             str(self.total_blocks),
             str(self.block_size),

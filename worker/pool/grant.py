@@ -64,7 +64,8 @@ class PoolGrant:
 
     @classmethod
     def from_reply(cls, values: Sequence[Any]) -> PoolGrant:
-        """Parse a checked :data:`.scripts.POOL_STEP` reply (status code first)."""
+        """Parse a checked ``POOL_STEP`` reply (:mod:`tokenfleet.shared.pool.scripts`; status
+        code first)."""
         v = list(values)
         order = None
         if int(v[12]):

@@ -41,6 +41,7 @@ from typing import Any, Protocol, cast
 
 from tokenfleet.shared.errors import PoolError
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.pool.scripts import POOL_STEP, pool_keys
 from tokenfleet.shared.priority import PRIORITIES, Priority
 from tokenfleet.worker.engine.outputs import StepStats
 from tokenfleet.worker.pipelined import ScriptPipeline
@@ -50,7 +51,6 @@ from tokenfleet.worker.pool.config import PoolConfig
 from tokenfleet.worker.pool.grant import PoolGrant
 from tokenfleet.worker.pool.member import KVPoolMember
 from tokenfleet.worker.pool.orders import PreemptAsk, PreemptOrder
-from tokenfleet.worker.pool.scripts import POOL_STEP, pool_keys
 
 LEAST_URGENT = max(PRIORITIES)  # no donor can run work less urgent than this: never asked for
 

@@ -7,7 +7,7 @@ The worker service owns one :class:`KVPoolMember`. Every step it calls :meth:`KV
 shrink to ``release_to``, and possibly a preemption order to execute before the next step.
 :func:`~tokenfleet.worker.pool.chunking.plan_blocks` is the chunking policy.
 
-The accounting rules live in :mod:`tokenfleet.worker.pool.scripts`.
+The accounting rules live in :mod:`tokenfleet.shared.pool.scripts`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import Any
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import Keys, check_name
+from tokenfleet.shared.pool.scripts import POOL_JOIN, POOL_LEAVE, POOL_STEP, pool_keys
 from tokenfleet.shared.priority import PRIORITIES
 from tokenfleet.shared.scripts import registry
 from tokenfleet.worker.pool.config import PoolConfig, weight_milli
 from tokenfleet.worker.pool.grant import PoolGrant
 from tokenfleet.worker.pool.orders import PreemptAsk
-from tokenfleet.worker.pool.scripts import POOL_JOIN, POOL_LEAVE, POOL_STEP, pool_keys
 
 
 class KVPoolMember:

@@ -1,3 +1,3 @@
 """The pool scripts as ``.lua`` files (package data), loaded once by
-:mod:`tokenfleet.worker.pool.scripts`. Each opens with its KEYS/ARGV header; ``prelude.lua``
+:mod:`tokenfleet.shared.pool.scripts`. Each opens with its KEYS/ARGV header; ``prelude.lua``
 holds the local functions they share (``-- @include prelude.lua``)."""

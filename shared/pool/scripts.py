@@ -1,6 +1,10 @@
 """Shared KV pools: the atomic accounting scripts (issue 6), loaded once from ``lua/``.
 
-Each script is a ``.lua`` file in :mod:`tokenfleet.worker.pool.lua` that opens with its
+They are part of the protocol, so they live in ``shared``: the worker's pool wing
+(``tokenfleet.worker.pool``) runs them as a member and an administrator, and a producer reads a
+pool through ``pool_inspect`` (the fleet's status and console) without importing the worker.
+
+Each script is a ``.lua`` file in :mod:`tokenfleet.shared.pool.lua` that opens with its
 KEYS/ARGV header (which keys it touches, with which commands) and includes ``prelude.lua``, the
 local functions they share. Every key a script touches arrives through ``KEYS[]``
 (:func:`pool_keys`); none is built inside Lua.
@@ -50,14 +54,16 @@ Rules, applied by every script in one atomic step:
   requester directly (reserved: no third member can take it) and becomes the requester's loan.
 * **Compute share** (pools with a ``token_budget``): the budget of tokens per ``round_ms`` is split
   by weight among members with token demand, water-filled so nobody gets more than it asked
-  for. A member computes at most its share per round (:mod:`.compute_share`).
+  for. A member computes at most its share per round (the worker's
+  ``tokenfleet.worker.pool.compute_share``).
 
 Invariant, under any interleaving: the sum of ``held`` over the members hash never exceeds
 ``total`` (grants are bounded by what is free; transfers move blocks; reclaim only lowers it).
 
 Numbers: weights are integers in thousandths (at most 100_000), totals at most
-``config.MAX_TOTAL_BLOCKS`` and members at most ``config.MAX_MEMBERS``, so every product in the
-scripts stays below 2**53 and Lua's doubles compute floors and remainders exactly.
+``MAX_TOTAL_BLOCKS`` and members at most ``MAX_MEMBERS`` (the worker's ``pool/config.py``, which
+validates a pool's settings before they reach a script), so every product in the scripts stays
+below 2**53 and Lua's doubles compute floors and remainders exactly.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ from __future__ import annotations
 from tokenfleet.shared.keys import Keys, check_name
 from tokenfleet.shared.scripts.registry import load_lua
 
-_LUA = "tokenfleet.worker.pool.lua"
+_LUA = "tokenfleet.shared.pool.lua"
 
 POOL_CREATE = load_lua(_LUA, "pool_create.lua")
 POOL_JOIN = load_lua(_LUA, "pool_join.lua")
