@@ -1,13 +1,12 @@
 """What the console's tests share: a fleet with API keys on and a key of each role, a scripted
-pretend worker that ends a request ``error`` (its entry goes to the dead letters), and reading
-``tokenfleet status --json`` as a user runs it."""
+pretend worker that ends a request ``error`` (its entry goes to the dead letters; the suite's
+``pretend_worker``), and reading ``tokenfleet status --json`` as a user runs it."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,6 @@ from gateway_helpers import Fleet, start_fleet
 
 from tokenfleet.producer import Client
 from tokenfleet.producer.gateway.auth import ApiKeyAdmin
-from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
-from tokenfleet.shared.scripts import registry
-from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -49,28 +43,6 @@ def make_keys(r: redis.Redis, settings: Settings) -> ConsoleKeys:
         role: admin.create(f"{role}-{tag}", role=role)[0] for role in ("user", "viewer", "admin")
     }
     return ConsoleKeys(**made)
-
-
-def fail_waiting(r: redis.Redis, keys: Keys, model: str, code: str = "engine_error") -> str:
-    """Take the oldest waiting request of ``model``'s normal queue as a pretend worker would and
-    end it ``error`` through the real finish script (its entry is kept in the dead letters);
-    its id."""
-    stream = keys.stream(model, Priority.NORMAL)
-    reply: Any = r.xreadgroup(CONSUMER_GROUP, "pretend", {stream: ">"}, count=1)
-    entry, fields = reply[0][1][0]
-    rid = fields[b"id"].decode()
-    event = TerminalEvent(rid, TerminalStatus.ERROR, code=code, message="failed on purpose")
-    k, a = finish_keys_args(
-        keys,
-        event,
-        model=model,
-        priority=Priority.NORMAL,
-        now=time.time(),
-        ttl_s=600,
-        stream_id=entry.decode(),
-    )
-    assert registry.call(r, FINISH, k, a)[0] == "ok"
-    return rid
 
 
 def status_json(redis_url: str, prefix: str) -> dict[str, Any]:

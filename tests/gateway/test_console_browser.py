@@ -28,11 +28,11 @@ from console_helpers import (
     ConsoleKeys,
     client,
     console_fleet,
-    fail_waiting,
     make_keys,
     status_json,
 )
 from gateway_helpers import Fleet, wait_for
+from pretend_worker import fail_waiting
 
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer

@@ -19,12 +19,12 @@ from console_helpers import (
     ConsoleKeys,
     client,
     console_fleet,
-    fail_waiting,
     make_keys,
     status_json,
 )
 from gateway_helpers import Fleet, Proc, wait_for
 from grafana_queries import DASHBOARDS, metric_names, queries
+from pretend_worker import fail_waiting
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet.shared.priority import Priority
