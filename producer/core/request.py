@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import orjson
 
-from tokenfleet.producer.core.structured import constraint_of
+from tokenfleet.producer.core.structured import constraint_of, tools_constraint
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_request_id
 from tokenfleet.shared.prefix_chain import session_of
@@ -50,6 +50,10 @@ SUBMIT_FIELDS = frozenset(
         "grammar",
         "logprobs",
         "top_logprobs",
+        # tools (shared/schema/tools.py)
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
     }
 )
 
@@ -150,7 +154,7 @@ def build(
     *,
     now: float,
     prompt: str | bytes | Sequence[int] | None = None,
-    messages: Sequence[Mapping[str, str]] | None = None,
+    messages: Sequence[Mapping[str, Any]] | None = None,
     max_tokens: int = 256,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -171,13 +175,18 @@ def build(
     grammar: str | None = None,
     logprobs: bool = False,
     top_logprobs: int = 0,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
 ) -> GenerationRequest:
     """Validate one request; ``InvalidRequest`` names the first fault.
 
     ``deadline_s`` is relative (seconds from ``now``): the request must have *started* by then,
     else it ends ``expired``. At most one of ``response_format``, ``json_schema``, ``regex``,
     ``choice`` and ``grammar`` constrains the output (``core.structured``;
-    docs/structured-outputs.md).
+    docs/structured-outputs.md); ``tools`` + ``tool_choice`` (OpenAI's shapes) constrain it to
+    calls of the offered functions (or, with ``auto``, text or calls), and cannot be combined
+    with those.
     """
     if deadline_s is not None and (
         not isinstance(deadline_s, int | float)
@@ -198,12 +207,17 @@ def build(
             _NO_IDS if stop_token_ids is _NO_IDS else _token_ids("stop_token_ids", stop_token_ids)
         ),
         ignore_eos=ignore_eos,
-        structured=constraint_of(
-            response_format=response_format,
-            json_schema=json_schema,
-            regex=regex,
-            choice=choice,
-            grammar=grammar,
+        structured=tools_constraint(
+            constraint_of(
+                response_format=response_format,
+                json_schema=json_schema,
+                regex=regex,
+                choice=choice,
+                grammar=grammar,
+            ),
+            tools,
+            tool_choice,
+            parallel_tool_calls,
         ),
         logprobs=logprobs,
         top_logprobs=top_logprobs,

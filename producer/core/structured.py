@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.shared.schema import Constraint
+from tokenfleet.shared.schema import Constraint, tool_spec_of
 
 STRUCTURED_FIELDS = ("response_format", "json_schema", "regex", "choice", "grammar")
 
@@ -126,6 +126,26 @@ def constraint_of(
     return constraint
 
 
+def tools_constraint(
+    other: Constraint | None, tools: Any, tool_choice: Any, parallel_tool_calls: Any
+) -> Constraint | None:
+    """``other`` (a structured output), or the ``tools`` constraint OpenAI's ``tools``,
+    ``tool_choice`` and ``parallel_tool_calls`` ask for (checked and compiled, each function's
+    ``parameters`` named on its own); the two cannot be combined (``InvalidRequest``)."""
+    spec = tool_spec_of(tools, tool_choice, parallel_tool_calls)
+    if spec is None:
+        return other
+    if other is not None:
+        raise InvalidRequest(
+            "tools (with tool_choice auto, required or a function) cannot be combined with "
+            f"{other.field.replace('structured.', '')}: send one of them",
+            param="tools",
+        )
+    constraint = Constraint("tools", spec)
+    checked(constraint, "tools")
+    return constraint
+
+
 def _with_param(name: str, make: Any) -> Constraint:
     try:
         result: Constraint = make()
@@ -137,17 +157,22 @@ def _with_param(name: str, make: Any) -> Constraint:
 def checked(constraint: Constraint, param: str | None = None) -> None:
     """Compile ``constraint`` (cached by its JSON form); ``InvalidRequest`` naming ``param``."""
     key = orjson.dumps(constraint.to_dict(), option=orjson.OPT_SORT_KEYS)
-    error = _compile_error(key)
-    if error is not None:
+    found = _compile_error(key)
+    if found is not None:
+        error, named = found
+        if named != constraint.field:  # the library named a part (a tool's parameters)
+            raise InvalidRequest(error, param=named)
         if param is not None:  # name it as the caller did
             error = error.replace(constraint.field, param, 1)
         raise InvalidRequest(error, param=param or constraint.field)
 
 
 @functools.lru_cache(maxsize=512)
-def _compile_error(key: bytes) -> str | None:
+def _compile_error(key: bytes) -> tuple[str, str] | None:
+    """(message, the field it names) of a constraint that does not compile; None if it does."""
+    constraint = Constraint.from_dict(orjson.loads(key))
     try:
-        Constraint.from_dict(orjson.loads(key)).check()
+        constraint.check()
     except InvalidRequest as exc:
-        return str(exc)
+        return str(exc), exc.param or constraint.field
     return None

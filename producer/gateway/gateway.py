@@ -215,7 +215,9 @@ class Gateway:
         """Check, charge and enqueue ``sub``; the handle and how to frame its answer."""
         await self.check_model(sub.model)
         rate_headers = await self.admit(caller, sub.estimated_tokens)
-        rid = make_request_id(sub.kind, caller.owner, headers.get("idempotency-key"))
+        rid = make_request_id(
+            sub.kind, caller.owner, headers.get("idempotency-key"), tools=sub.tools
+        )
         try:
             handle = await self.client.submit(
                 model=sub.model,
@@ -232,7 +234,7 @@ class Gateway:
             err = from_tokenfleet(exc)
             err.headers.update(rate_headers)
             raise err from None
-        framing = Framing(rid, sub.kind, sub.model, int(time.time()))
+        framing = Framing(rid, sub.kind, sub.model, int(time.time()), sub.tools)
         return Accepted(
             handle, framing, {"X-Request-Id": rid, **rate_headers}, sub.estimated_tokens
         )

@@ -1,7 +1,8 @@
 """Request ids the gateway makes, and who owns them.
 
 A gateway request id is ``[OWNER.]KIND-SUFFIX``: ``KIND`` is ``chatcmpl`` or ``cmpl`` (which
-endpoint made it, so a resumed stream is framed as the original was), ``SUFFIX`` 32 random hex
+endpoint made it, so a resumed stream is framed as the original was; ``chatcmpl-tool`` for a
+chat request that offered tools, whose text is read back into calls), ``SUFFIX`` 32 random hex
 digits or, with an ``Idempotency-Key``, derived from it, and ``OWNER`` the API key's id when
 keys are required. Ownership is read from the id itself — no lookup, so it holds across any
 number of gateway processes: a key sees only ids that start with its own id and a dot (others
@@ -18,10 +19,13 @@ from typing import Literal
 
 Kind = Literal["chat", "completion"]
 _PREFIX: dict[Kind, str] = {"chat": "chatcmpl", "completion": "cmpl"}
+_TOOLS_MARK = "tool-"
 _PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # used as is; anything else is hashed
 
 
-def make_request_id(kind: Kind, owner: str | None, idempotency_key: str | None = None) -> str:
+def make_request_id(
+    kind: Kind, owner: str | None, idempotency_key: str | None = None, *, tools: bool = False
+) -> str:
     """A new request id, or the one ``idempotency_key`` always maps to (for this owner and
     kind). Keys of up to 64 letters, digits, ``_`` or ``-`` appear in the id verbatim (easy
     to find in logs); any other key is hashed (BLAKE2b-128)."""
@@ -32,7 +36,7 @@ def make_request_id(kind: Kind, owner: str | None, idempotency_key: str | None =
     else:
         digest = hashlib.blake2b(idempotency_key.encode("utf-8"), digest_size=16).hexdigest()
         suffix = "h-" + digest
-    rid = f"{_PREFIX[kind]}-{suffix}"
+    rid = f"{_PREFIX[kind]}-{_TOOLS_MARK if tools else ''}{suffix}"
     return f"{owner}.{rid}" if owner else rid
 
 
@@ -41,8 +45,16 @@ def owns(owner: str | None, request_id: str) -> bool:
     return owner is None or request_id.startswith(owner + ".")
 
 
+def _bare(request_id: str) -> str:
+    return request_id.split(".", 1)[1] if "." in request_id.split("-", 1)[0] else request_id
+
+
 def kind_of(request_id: str) -> Kind:
     """Which endpoint's framing a request's stream uses: chat for ``chatcmpl-`` ids, else
     completion (ids made elsewhere, e.g. by the Python client, read as text completions)."""
-    bare = request_id.split(".", 1)[1] if "." in request_id.split("-", 1)[0] else request_id
-    return "chat" if bare.startswith("chatcmpl-") else "completion"
+    return "chat" if _bare(request_id).startswith("chatcmpl-") else "completion"
+
+
+def has_tools(request_id: str) -> bool:
+    """Did the chat request ``request_id`` offer tools (its text is read back into calls)?"""
+    return _bare(request_id).startswith(f"chatcmpl-{_TOOLS_MARK}")

@@ -2,14 +2,20 @@
 
 The body models are pydantic (strict: ``"1"`` is not a number, ``true`` is not an integer), so
 a wrong type is a 400 that names the field. Every field OpenAI defines that tokenfleet does not
-support is refused with a 400 naming it when it asks for something (``n`` > 1, tools, penalties
-other than 0, ...); it is accepted when it holds the value that means "off". A field OpenAI does
+support is refused with a 400 naming it when it asks for something (penalties other than 0,
+``logit_bias``, the deprecated ``functions``, ...); it is accepted when it holds the value that
+means "off". A field OpenAI does
 not define and we do not add is refused too: nothing is silently ignored.
 
 Structured outputs and logprobs (docs/structured-outputs.md): chat's ``response_format``
 (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs`` on both endpoints
 (``json``, ``json_object``, ``regex``, ``choice``, ``grammar``), chat's ``logprobs`` +
 ``top_logprobs`` and completions' ``logprobs: k``. A bad spec is a 400 naming the field.
+
+Tools (docs/structured-outputs.md, "Tools"): chat's ``tools``, ``tool_choice`` and
+``parallel_tool_calls``; an assistant message's ``tool_calls`` and ``role: "tool"`` messages
+with their ``tool_call_id``. The answer's text is read back into ``message.tool_calls``
+(``responses``; ``tool_stream`` when streamed).
 
 Extensions (docs/gateway.md): ``priority`` (critical | normal | batch), ``deadline_s``,
 ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``structured_outputs``.
@@ -21,13 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenfleet.producer.core.structured import constraint_of
+from tokenfleet.producer.core.structured import constraint_of, tools_constraint
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.identity import Kind
 from tokenfleet.shared.errors import InvalidRequest
-from tokenfleet.shared.schema import MAX_TOP_LOGPROBS
+from tokenfleet.shared.schema import MAX_TOP_LOGPROBS, Constraint
+from tokenfleet.shared.schema.tools import check_tool_message
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint defaults to
 JSON_OBJECT = {"type": "json_object"}
@@ -101,12 +109,16 @@ class ContentPart(BaseModel):
 
 
 class Message(BaseModel):
-    """One chat message. ``name`` is accepted and not used (documented)."""
+    """One chat message. ``name`` is accepted and not used (documented); ``tool_calls`` (an
+    assistant's) and ``tool_call_id`` (a tool result's) are checked by
+    ``shared.schema.tools.check_tool_message``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatBody(_Common):
@@ -133,14 +145,17 @@ _OFF: dict[str, Callable[[Any], bool]] = {
     "echo": lambda v: v is False,
     "best_of": lambda v: v == 1,
     "suffix": lambda v: v == "",
-    "tools": lambda v: not v,
-    "tool_choice": lambda v: v == "none",
-    "functions": lambda v: not v,
+    "functions": lambda v: not v,  # deprecated by OpenAI: send tools
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: True,  # meaningless without tools, which are refused
     "store": lambda v: v is False,
 }
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +169,7 @@ class Submission:
     params: dict[str, Any]  # submit() keyword arguments, without request_id / priority
     priority: str | None  # from the body (the header is the route's)
     estimated_tokens: int  # prompt (about 4 characters a token) + max_tokens: what TPM charges
+    tools: bool = False  # tools were offered: the answer's text is read back into tool_calls
 
 
 def _refuse_unsupported(body: _Common) -> None:
@@ -259,7 +275,9 @@ def _sampling(body: _Common, max_tokens: int | None, default_max: int) -> dict[s
     return params
 
 
-def _submission(kind: Kind, body: _Common, params: dict[str, Any], prompt_size: int) -> Submission:
+def _submission(
+    kind: Kind, body: _Common, params: dict[str, Any], prompt_size: int, *, tools: bool = False
+) -> Submission:
     return Submission(
         kind,
         body.model,
@@ -268,6 +286,7 @@ def _submission(kind: Kind, body: _Common, params: dict[str, Any], prompt_size: 
         params,
         body.priority,
         prompt_size + params["max_tokens"],
+        tools,
     )
 
 
@@ -317,10 +336,19 @@ def chat_submission(body: ChatBody, default_max_tokens: int) -> Submission:
             raise ApiError(
                 400,
                 f"messages[{i}].role '{message.role}' is not supported "
-                "(system, developer, user, assistant)",
+                "(system, developer, user, assistant, tool)",
                 param=f"messages[{i}].role",
             )
-        messages.append({"role": role, "content": _message_text(i, message)})
+        wire: dict[str, Any] = {"role": role, "content": _message_text(i, message)}
+        if message.tool_calls is not None:
+            wire["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            wire["tool_call_id"] = message.tool_call_id
+        try:
+            wire.update(check_tool_message(i, wire))
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), code="invalid_request", param=exc.param) from None
+        messages.append(wire)
     both = body.max_tokens is not None and body.max_completion_tokens is not None
     if both and body.max_tokens != body.max_completion_tokens:
         raise ApiError(
@@ -331,7 +359,32 @@ def chat_submission(body: ChatBody, default_max_tokens: int) -> Submission:
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else None
     params = _sampling(body, limit if limit is not None else body.max_tokens, default_max_tokens)
     _structured(body, params)
+    offered = _tools(body, params)
     _logprobs(body, params, "chat")
     params["messages"] = messages
-    size = sum(len(m["content"]) for m in messages) // 4
-    return _submission("chat", body, params, size)
+    size = (sum(len(m["content"]) for m in messages) + offered) // 4
+    return _submission("chat", body, params, size, tools=offered > 0)
+
+
+def _tools(body: ChatBody, params: dict[str, Any]) -> int:
+    """``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as submit()'s arguments, checked
+    and compiled here (a 400 names the field, before the key is charged); the offered tools'
+    size in characters (0: no tools in play: none offered, or ``tool_choice: "none"``)."""
+    other = None
+    if any(k in params for k in ("response_format", "json_schema", "regex", "choice", "grammar")):
+        other = Constraint("json_object")  # stands for the structured output already given
+    try:
+        constraint = tools_constraint(other, body.tools, body.tool_choice, body.parallel_tool_calls)
+    except InvalidRequest as exc:
+        message = str(exc)
+        if other is not None and exc.param == "tools":
+            message = "tools cannot be combined with response_format or structured_outputs"
+        raise ApiError(400, message, code="invalid_tools", param=exc.param or "tools") from None
+    if constraint is None or constraint.kind != "tools":
+        return 0
+    params["tools"] = body.tools
+    if body.tool_choice is not None:
+        params["tool_choice"] = body.tool_choice
+    if body.parallel_tool_calls is not None:
+        params["parallel_tool_calls"] = body.parallel_tool_calls
+    return len(orjson.dumps(body.tools))

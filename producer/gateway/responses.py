@@ -15,6 +15,7 @@ from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.errors import ApiError, error_body
 from tokenfleet.producer.gateway.identity import Kind
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
+from tokenfleet.shared.schema.tools import call_id, parse_calls
 
 # How a request that did not end ``done`` is answered (non-streaming), by terminal status.
 _FAILURE_STATUS = {"cancelled": 409, "expired": 504, "dropped": 429}
@@ -29,6 +30,7 @@ class Framing:
     kind: Kind
     model: str
     created: int
+    tools: bool = False  # tools were offered: the text is read back into tool_calls
 
     def _object(self, chunk: bool) -> str:
         if self.kind == "chat":
@@ -102,17 +104,37 @@ class Framing:
             "text_offset": offsets,
         }
 
+    def tool_message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """The assistant message of a tools request's output and its finish reason: its calls
+        as ``tool_calls`` (``finish_reason: "tool_calls"`` when it ended ``stop``) and any
+        text after them (none with the grammar; a call cut by ``length`` stays text) as
+        ``content``; text that opens no call is the ``content``, as without tools."""
+        calls, end = parse_calls(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        rest = text[end:].strip()
+        message = {
+            "role": "assistant",
+            "content": rest or None,
+            "tool_calls": [c.to_openai(call_id(self.request_id, i)) for i, c in enumerate(calls)],
+        }
+        return message, "tool_calls" if finish == "stop" else finish
+
     def response(self, tokens: Sequence[TokenEvent], terminal: TerminalEvent) -> dict[str, Any]:
         """The whole (non-streaming) response of a request that ended ``done``, from its
         token events."""
         text = "".join(t.text for t in tokens)
         choice: dict[str, Any]
         if self.kind == "chat":
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = terminal.finish_reason
+            if self.tools:
+                message, finish = self.tool_message(text, finish)
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": self.logprobs(tokens),
-                "finish_reason": terminal.finish_reason,
+                "finish_reason": finish,
             }
         else:
             choice = {

@@ -14,7 +14,7 @@ from sse_starlette import EventSourceResponse
 
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Caller, Gateway
-from tokenfleet.producer.gateway.identity import kind_of, owns
+from tokenfleet.producer.gateway.identity import has_tools, kind_of, owns
 from tokenfleet.producer.gateway.keepalive import event_stream
 from tokenfleet.producer.gateway.responses import Framing, collect
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
@@ -88,7 +88,13 @@ async def request_events(
     from_index = parse_last_event_id(header if last_event_id is None else str(last_event_id))
     if from_index > 0:
         gw.metrics.resumes.inc()
-    framing = Framing(request_id, kind_of(request_id), record.model, int(record.enqueued_at or 0))
+    framing = Framing(
+        request_id,
+        kind_of(request_id),
+        record.model,
+        int(record.enqueued_at or 0),
+        has_tools(request_id),
+    )
     handle = gw.client.handle(request_id)
 
     events = relay(

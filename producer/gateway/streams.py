@@ -7,6 +7,10 @@ then live, gap-free and duplicate-free. Chunks that are not tokens (the chat rol
 finish chunk, the usage chunk, ``[DONE]``) carry no id, so they do not move the client's
 position. A request that ends other than ``done`` ends its stream with a chunk holding
 ``error`` (which the OpenAI SDKs raise as ``APIError``), naming why; no ``[DONE]`` follows it.
+
+A tools request's chunks are made by ``tool_stream.ToolStream`` (a call is sent whole): they
+depend on every token before them, so its stream is always read from the first token, and the
+chunks a resuming client already has (SSE id below its position) are skipped.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from sse_starlette import ServerSentEvent
 
 from tokenfleet.producer.async_handle import AsyncHandle
 from tokenfleet.producer.gateway.responses import Framing, stream_error, usage_of
+from tokenfleet.producer.gateway.tool_stream import ToolStream
 from tokenfleet.shared.errors import RedisUnavailable, RequestLost
 from tokenfleet.shared.schema import Event, TerminalEvent, TerminalStatus, TokenEvent
 
@@ -52,18 +57,25 @@ async def openai_events(
     include_usage: bool,
     state: StreamState,
 ) -> AsyncIterator[ServerSentEvent]:
-    """SSE events of one request from ``from_index`` on (``events`` starts there)."""
+    """SSE events of one request from ``from_index`` on (``events`` starts there; for a tools
+    request, at the first token: the chunks before ``from_index`` are skipped)."""
     if from_index == 0 and framing.kind == "chat":
         yield ServerSentEvent(_data(framing.chunk("", role=True)))
+    tools = ToolStream(framing) if framing.tools else None
     try:
         async for event in events:
             if isinstance(event, TokenEvent):
-                yield ServerSentEvent(
-                    _data(framing.chunk(event.text, token=event)), id=str(event.index)
-                )
+                if tools is None:
+                    chunks = [framing.chunk(event.text, token=event)]
+                else:
+                    chunks = tools.feed(event)
+                    if event.index < from_index:
+                        continue
+                for chunk in chunks:
+                    yield ServerSentEvent(_data(chunk), id=str(event.index))
                 continue
             state.ended, state.terminal = True, event
-            for sse in _ending(event, framing, include_usage):
+            for sse in _ending(event, framing, include_usage, tools):
                 yield sse
             return
     except (RequestLost, RedisUnavailable) as exc:  # nothing more can come: say so, visibly
@@ -86,7 +98,7 @@ async def relay(
     streams_open.inc()
     try:
         async for sse in openai_events(
-            handle.stream(from_index),
+            handle.stream(0 if framing.tools else from_index),
             framing,
             from_index=from_index,
             include_usage=include_usage,
@@ -98,10 +110,16 @@ async def relay(
         handle.close()
 
 
-def _ending(event: TerminalEvent, framing: Framing, include_usage: bool) -> list[ServerSentEvent]:
+def _ending(
+    event: TerminalEvent, framing: Framing, include_usage: bool, tools: ToolStream | None
+) -> list[ServerSentEvent]:
     if event.status is not TerminalStatus.DONE:
         return [ServerSentEvent(_data(stream_error(event)))]
-    out = [ServerSentEvent(_data(framing.chunk("", event.finish_reason)))]
+    out, finish = [], event.finish_reason
+    if tools is not None:
+        rest, finish = tools.finish(event)
+        out = [ServerSentEvent(_data(chunk)) for chunk in rest]
+    out.append(ServerSentEvent(_data(framing.chunk("", finish))))
     if include_usage:
         out.append(ServerSentEvent(_data(framing.chunk(None, usage=usage_of(event)))))
     out.append(ServerSentEvent("[DONE]"))

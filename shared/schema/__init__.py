@@ -11,6 +11,8 @@ import X`` is the way to import them):
 * ``wire``: ``SCHEMA_VERSION`` and the size-checked JSON reader;
 * ``fields``: checks of single values (``check_text``, integers, token ids);
 * ``status``: ``TerminalStatus`` and ``RequestStatus``;
+* ``tools``: ``ToolSpec`` and the tool-call format (OpenAI's ``tools``: what is offered, the
+  grammar of a call, reading an output back into calls);
 * ``constraint``: ``Constraint`` (structured outputs: what the output must match);
 * ``sampling``: ``SamplingParams``;
 * ``request``: ``GenerationRequest``, the stream payload, and ``request_fingerprint`` (what
@@ -49,6 +51,7 @@ from tokenfleet.shared.schema.sampling import (
     SamplingParams,
 )
 from tokenfleet.shared.schema.status import RequestStatus, TerminalStatus
+from tokenfleet.shared.schema.tools import ToolCall, ToolFunction, ToolSpec, tool_spec_of
 from tokenfleet.shared.schema.wire import SCHEMA_VERSION
 
 __all__ = [
@@ -71,8 +74,12 @@ __all__ = [
     "TerminalEvent",
     "TerminalStatus",
     "TokenEvent",
+    "ToolCall",
+    "ToolFunction",
+    "ToolSpec",
     "check_logprobs",
     "check_text",
     "decode_event",
     "request_fingerprint",
+    "tool_spec_of",
 ]

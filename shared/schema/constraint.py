@@ -23,8 +23,9 @@ import orjson
 
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.schema.fields import check_text
+from tokenfleet.shared.schema.tools import ToolSpec
 
-CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 MAX_CONSTRAINT_BYTES = 65_536  # a spec's JSON form at most (schemas, grammars, choice lists)
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 4096
@@ -39,7 +40,9 @@ class Constraint:
     * ``regex``: the pattern (the whole output matches it; Rust ``regex`` syntax);
     * ``choice``: a tuple of non-empty strings (the output is exactly one of them);
     * ``grammar``: a Lark grammar (llguidance's dialect, ``start`` rule) or a GBNF grammar
-      (``root ::= ...``, converted to Lark).
+      (``root ::= ...``, converted to Lark);
+    * ``tools``: a :class:`ToolSpec` (the offered functions and ``tool_choice``: the output is
+      a valid call, or in mode ``auto`` text or valid calls; ``shared/schema/tools.py``).
 
     ``name`` is what the caller called it (``response_format.json_schema.name``), for messages.
     Invariant: the JSON form (:meth:`to_dict`) is at most ``MAX_CONSTRAINT_BYTES``.
@@ -70,6 +73,9 @@ class Constraint:
                     f"{field}: the schema must be a JSON object, got {type(self.spec).__name__}",
                     param=field,
                 )
+        elif self.kind == "tools":
+            if not isinstance(self.spec, ToolSpec):
+                object.__setattr__(self, "spec", ToolSpec.from_dict(self.spec))
         elif self.kind == "json_object":
             if self.spec is not None:
                 raise InvalidRequest(f"{field} takes no spec", param=field)
@@ -115,7 +121,9 @@ class Constraint:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (in the request's sampling parameters)."""
         out: dict[str, Any] = {"type": self.kind}
-        if self.kind != "json_object":
+        if self.kind == "tools":
+            out["spec"] = self.spec.to_dict()
+        elif self.kind != "json_object":
             out["spec"] = list(self.spec) if self.kind == "choice" else self.spec
         if self.name is not None:
             out["name"] = self.name
@@ -140,6 +148,8 @@ class Constraint:
             return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
         if self.kind == "regex":
             return str(LLMatcher.grammar_from_regex(self.spec))
+        if self.kind == "tools":
+            return str(LLMatcher.grammar_from_lark(self.spec.grammar()))
         if self.kind == "choice":  # JSON string literals are Lark string literals
             return "start: " + " | ".join(orjson.dumps(c).decode() for c in self.spec)
         if "::=" in self.spec and "start:" not in self.spec:  # GBNF (llama.cpp, vLLM)
@@ -159,6 +169,15 @@ class Constraint:
         regex or grammar that does not compile)."""
         from llguidance import LLMatcher
 
+        if self.kind == "tools":  # each function's schema first: the error names its field
+            for i, f in enumerate(self.spec.functions):
+                try:
+                    Constraint("json_schema", f.params).check()
+                except InvalidRequest as exc:
+                    where = f"tools[{i}].function.parameters"
+                    raise InvalidRequest(
+                        str(exc).replace("structured.json_schema", where, 1), param=where
+                    ) from None
         try:
             grammar = self.grammar()
         except ValueError as exc:

@@ -18,6 +18,7 @@ from tokenfleet.shared.keys import check_model_name, check_request_id
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema.fields import check_text, token_ids_ok
 from tokenfleet.shared.schema.sampling import SamplingParams
+from tokenfleet.shared.schema.tools import MESSAGE_KEYS, check_tool_message
 from tokenfleet.shared.schema.wire import SCHEMA_VERSION, loads
 
 MAX_METADATA_BYTES = 16_384
@@ -48,19 +49,23 @@ def request_fingerprint(payload: bytes) -> str:
     return hashlib.blake2b(payload[:start] + payload[end:], digest_size=16).hexdigest()
 
 
-def _check_messages(messages: Any) -> tuple[dict[str, str], ...]:
+def _check_messages(messages: Any) -> tuple[dict[str, Any], ...]:
+    """Each message is ``{role, content}``, plus an assistant's ``tool_calls`` or a tool
+    result's ``tool_call_id`` (``tools.check_tool_message``); ``name`` is dropped (not used)."""
     if not isinstance(messages, list | tuple) or not messages:
         raise InvalidRequest("messages must be a non-empty list of {role, content} objects")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) - {"role", "content"} or "role" not in m:
+        if not isinstance(m, dict) or set(m) - MESSAGE_KEYS or "role" not in m:
             raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'")
         role = check_text(f"messages[{i}].role", m["role"])
-        content = check_text(f"messages[{i}].content", m.get("content", ""))
+        content = check_text(f"messages[{i}].content", m.get("content") or "")
         if not role:
             raise InvalidRequest(f"messages[{i}].role is empty")
-        out.append({"role": role, "content": content})
-    if not any(m["content"] for m in out):
+        message: dict[str, Any] = {"role": role, "content": content}
+        message.update(check_tool_message(i, m))  # nothing for a plain message: encoded as before
+        out.append(message)
+    if not any(m["content"] or m.get("tool_calls") for m in out):
         raise InvalidRequest("messages have no content")
     return tuple(out)
 
@@ -76,7 +81,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
     priority: Priority = Priority.NORMAL
     model: str = "default"
     deadline: float | None = None

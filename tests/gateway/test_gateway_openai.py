@@ -204,7 +204,9 @@ def test_unknown_model_is_404(sdk: openai.OpenAI) -> None:
         ({"n": 2}, "n"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
         ({"extra_body": {"bogus": 1}}, "bogus"),
     ],
 )

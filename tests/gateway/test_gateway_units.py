@@ -126,7 +126,7 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
         ("presence_penalty", 0, 0.2),
         ("frequency_penalty", 0.0, 1),
         ("logit_bias", {}, {"1": 5}),
-        ("tool_choice", "none", "auto"),
+        ("function_call", "none", "auto"),
         ("store", False, True),
     ],
 )

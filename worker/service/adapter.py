@@ -19,6 +19,7 @@ from tokenfleet.shared.schema import GenerationRequest, TerminalEvent, TerminalS
 from tokenfleet.worker.engine.outputs import RequestOutput, TokenLogprob, TokenLogprobs
 from tokenfleet.worker.engine.request import SamplingParams
 from tokenfleet.worker.intake.jobs import Job
+from tokenfleet.worker.service.chat_render import render_inputs
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.run_table import RunTable
 
@@ -79,14 +80,20 @@ class EngineAdapter:
         return req.prompt or ""
 
     def chat_text(self, req: GenerationRequest) -> str:
-        """``req.messages`` rendered by the model's chat template (``InvalidRequest`` if it has
-        none or refuses them). Only reads the tokenizer: callable from the prompt thread."""
+        """``req.messages`` rendered by the model's chat template, with the offered tools and
+        tool messages as ``chat_render`` lays them out (``InvalidRequest`` if it has none or
+        refuses them). Only reads the tokenizer: callable from the prompt thread."""
         tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if not template:
             raise InvalidRequest("this model's tokenizer has no chat template; send a prompt")
+        structured = req.sampling.structured
+        spec = structured.spec if structured is not None and structured.kind == "tools" else None
+        messages, tools = render_inputs(req.messages or (), spec, template)
         try:
+            extra = {} if tools is None else {"tools": tools}
             text: str = tok.apply_chat_template(
-                list(req.messages or ()), tokenize=False, add_generation_prompt=True
+                messages, tokenize=False, add_generation_prompt=True, **extra
             )
         except Exception as exc:  # jinja2's TemplateError, or what the template raises
             raise InvalidRequest(

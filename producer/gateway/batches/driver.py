@@ -260,7 +260,7 @@ class BatchDriver:
             await self._record(i, "err", line_err)
             return
         self.model = sub.model  # a model the fleet takes: W adapts to its batch queue
-        framing = Framing(rid, self.kind, sub.model, int(time.time()))
+        framing = Framing(rid, self.kind, sub.model, int(time.time()), sub.tools)
         task = asyncio.get_running_loop().create_task(
             self._follow(i, line.custom_id, framing, handle)
         )
