@@ -51,7 +51,23 @@ from tokenfleet.shared.schema.sampling import (
     SamplingParams,
 )
 from tokenfleet.shared.schema.status import RequestStatus, TerminalStatus
-from tokenfleet.shared.schema.tools import ToolCall, ToolFunction, ToolSpec, tool_spec_of
+from tokenfleet.shared.schema.tools import (
+    MAX_DESCRIPTION_CHARS,
+    MAX_TOOLS,
+    MESSAGE_KEYS,
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    TOOL_MODES,
+    ToolCall,
+    ToolFunction,
+    ToolSpec,
+    call_block,
+    call_id,
+    check_tool_message,
+    opens_call,
+    parse_calls,
+    tool_spec_of,
+)
 from tokenfleet.shared.schema.wire import SCHEMA_VERSION
 
 __all__ = [
@@ -59,13 +75,19 @@ __all__ = [
     "MAX_CHOICES",
     "MAX_CHOICE_CHARS",
     "MAX_CONSTRAINT_BYTES",
+    "MAX_DESCRIPTION_CHARS",
     "MAX_EVENT_BYTES",
     "MAX_METADATA_BYTES",
     "MAX_SEED",
     "MAX_STOP_STRINGS",
     "MAX_STOP_STRING_CHARS",
+    "MAX_TOOLS",
     "MAX_TOP_LOGPROBS",
+    "MESSAGE_KEYS",
     "SCHEMA_VERSION",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "TOOL_MODES",
     "Constraint",
     "Event",
     "GenerationRequest",
@@ -77,9 +99,14 @@ __all__ = [
     "ToolCall",
     "ToolFunction",
     "ToolSpec",
+    "call_block",
+    "call_id",
     "check_logprobs",
     "check_text",
+    "check_tool_message",
     "decode_event",
+    "opens_call",
+    "parse_calls",
     "request_fingerprint",
     "tool_spec_of",
 ]

@@ -5,6 +5,7 @@ the same message as the whole answer's, at every split of the text into tokens."
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,13 +83,14 @@ OUTPUTS = [
 
 def _tokens(text: str, cuts: list[int]) -> list[TokenEvent]:
     bounds = [0, *cuts, len(text)]
-    return [TokenEvent("r", i, i, text[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    return [TokenEvent("r", i, i, text[a:b]) for i, (a, b) in enumerate(itertools.pairwise(bounds))]
 
 
 def _reassemble(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], str | None]:
     """What the OpenAI SDK's stream accumulation makes of the chunks (content appended,
     tool_calls merged by index, arguments appended)."""
-    content, calls, finish = "", {}, None
+    content, finish = "", None
+    calls: dict[int, dict[str, Any]] = {}
     for c in chunks:
         if not c["choices"]:
             continue
@@ -118,7 +120,7 @@ async def _stream(tokens: list[TokenEvent], end: TerminalEvent, framing: Framing
         events(), framing, from_index=at, include_usage=False, state=StreamState()
     ):
         if sse.data != "[DONE]":
-            out.append((sse.id, orjson.loads(sse.data)))
+            out.append((sse.id, orjson.loads(str(sse.data))))
     return out
 
 

@@ -130,7 +130,7 @@ TOOLS: list[Any] = [
     },
 ]
 SCHEMAS = {"get_weather": WEATHER_PARAMS, "add": ADD_PARAMS}
-ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+ASK_WEATHER: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
 # an earlier call in the conversation: SmolLM2-135M then calls again on its own (tool_choice auto)
 EARLIER_CALL = {
     "id": "call_1",

@@ -6,9 +6,18 @@ import pkgutil
 from types import ModuleType
 
 import tokenfleet.shared.schema as schema
-from tokenfleet.shared.schema import constraint, events, fields, request, sampling, status, wire
+from tokenfleet.shared.schema import (
+    constraint,
+    events,
+    fields,
+    request,
+    sampling,
+    status,
+    tools,
+    wire,
+)
 
-MODULES = (constraint, events, fields, request, sampling, status, wire)
+MODULES = (constraint, events, fields, request, sampling, status, tools, wire)
 # Helpers the request and event modules share; they stay in their modules.
 INTERNAL = frozenset({"is_int", "token_ids_ok", "loads"})
 

@@ -128,7 +128,7 @@ def test_conversation_messages_with_calls_and_results() -> None:
         "type": "function",
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
     }
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "sunny, 21 C", "tool_call_id": "call_1"},
@@ -141,7 +141,7 @@ def test_conversation_messages_with_calls_and_results() -> None:
     assert wire.sampling.structured is not None and wire.sampling.structured.kind == "tools"
     plain = build(Settings(), now=0.0, messages=messages[:1])
     assert b"tool" not in plain.encode()  # a request without tools encodes as before
-    for bad, param in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"role": "user", "content": "x", "tool_calls": [call]}, "messages[0].tool_calls"),
         ({"role": "tool", "content": "x"}, "messages[0].tool_call_id"),
         ({"role": "user", "content": "x", "tool_call_id": "c"}, "messages[0].tool_call_id"),
@@ -152,7 +152,8 @@ def test_conversation_messages_with_calls_and_results() -> None:
             },
             "messages[0].tool_calls[0].function.arguments",
         ),
-    ]:
+    ]
+    for bad, param in cases:
         with pytest.raises(InvalidRequest) as info:
             build(Settings(), now=0.0, messages=[bad])
         assert info.value.param == param
