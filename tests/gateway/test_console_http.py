@@ -219,3 +219,46 @@ def test_api_keys_show_their_use_and_refusals(fleet: Fleet, keys: ConsoleKeys) -
     # (its tokens bucket refills 10,000 a minute: what it shows used is gone within a second)
     assert 0 <= row["tokens_used"] <= 10_000 and row["tpm"] == 10_000
     assert f'<tr data-key="{key.key_id}">' in page and "1/1" in page
+
+
+def test_a_kv_pool_shows_its_members_as_status_json_does(fleet: Fleet, keys: ConsoleKeys) -> None:
+    """A pool with two members (scripted through the real pool scripts, weights 2 and 1, both
+    active): the console shows its total, what is held, and each member's weight and holding,
+    equal to ``tokenfleet status --json``'s."""
+    from tokenfleet.worker.pool.admin import create_pool
+    from tokenfleet.worker.pool.config import PoolConfig
+    from tokenfleet.worker.pool.member import KVPoolMember
+
+    config = PoolConfig(total_blocks=96, block_size=16, cap_permille=750, lease_ms=600_000)
+    create_pool(fleet.r, fleet.keys, "console-gpu", config)
+    members = [
+        KVPoolMember(client=fleet.r, keys=fleet.keys, pool="console-gpu", member=n, weight=w)
+        for n, w in (("m-a", 2.0), ("m-b", 1.0))
+    ]
+    try:
+        for m in members:
+            m.join()
+        for m, want in zip(members, (80, 16), strict=True):
+            m.step(active=True, want_blocks=want)
+        with httpx.Client(base_url=fleet.gateway.url, timeout=30) as http:
+            page = http.get("/console", headers=keys.bearer("viewer")).text
+            snap = http.get("/console/status.json", headers=keys.bearer("viewer")).json()
+        printed = status_json(fleet.redis_url, fleet.prefix)
+        [pool] = [p for p in printed["pools"] if p["name"] == "console-gpu"]
+        [shown] = [p for p in snap["status"]["pools"] if p["name"] == "console-gpu"]
+        steady = ("name", "total", "held", "cap")
+        assert {k: shown[k] for k in steady} == {k: pool[k] for k in steady}
+        assert pool["total"] == 96 and pool["held"] > 0  # (the entitlements' split: pool tests)
+        block = page.split('<div class="pool" data-pool="console-gpu">', 1)[1].split("</div>")[0]
+        assert f'<span data-k="held">{pool["held"]}</span> of <span data-k="total">96</span>' in (
+            block
+        )
+        for member in pool["members"]:
+            row = block.split(f'<tr data-member="{member["name"]}">', 1)[1].split("</tr>")[0]
+            assert f'data-k="weight">{member["weight"]}</td>' in row
+            assert f'data-k="held">{member["held"]}</td>' in row
+        assert [m["name"] for m in pool["members"]] == ["m-a", "m-b"]
+        assert [m["weight"] for m in pool["members"]] == [2.0, 1.0]
+    finally:
+        for m in members:
+            m.leave()

@@ -2,8 +2,9 @@
 admit would find them (``lua/api_key_peek.lua``, read-only, the same refill arithmetic as admit)
 and the requests its quota refused so far (the record's ``refused`` counter).
 
-Bounded: at most ``limit`` keys (live ones first, then by name), one pipelined ``HGETALL`` and
-one ``EVALSHA`` each.
+Bounded: the live keys' names (``Keys.api_key_names``, one ``HGETALL``; revoked keys, which only
+accumulate, are never read), then at most ``limit`` of them, by name: one pipelined ``HGETALL``
+and one ``EVALSHA`` each. ``tokenfleet keys list`` lists every key, revoked ones too.
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ class KeyUsage:
 
 
 async def key_usage(redis: Any, keys: Keys, limit: int = 50) -> list[KeyUsage]:
-    """The use of at most ``limit`` keys (live first, then by name)."""
-    ids = sorted(as_str(i) or "" for i in await redis.smembers(keys.api_keys))
+    """The use of at most ``limit`` live keys, by name (a key revoked meanwhile is left out)."""
+    names = await redis.hgetall(keys.api_key_names)
+    ids = [as_str(i) or "" for _, i in sorted((as_str(n) or "", i) for n, i in names.items())]
+    ids = ids[:limit]
     pipe = redis.pipeline(transaction=False)
     for key_id in ids:
         pipe.hgetall(keys.api_key(key_id))
@@ -49,12 +52,10 @@ async def key_usage(redis: Any, keys: Keys, limit: int = 50) -> list[KeyUsage]:
     refused: dict[str, int] = {}
     for key_id, raw in zip(ids, await pipe.execute(), strict=True):
         decoded = decode_record(key_id, raw)
-        if decoded is not None:
+        if decoded is not None and not decoded[0].revoked:
             found.append(decoded[0])
             count = as_str(raw.get(b"refused") or raw.get("refused")) or "0"
             refused[key_id] = int(count) if count.isdigit() else 0
-    found.sort(key=lambda k: (k.revoked, k.name))
-    found = found[:limit]
     pipe = redis.pipeline(transaction=False)
     for key in found:
         await aqueue(redis, pipe, API_KEY_PEEK, [keys.api_key(key.key_id)], [""])
