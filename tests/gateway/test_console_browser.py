@@ -5,10 +5,10 @@ tiny Llama) and the suite's Redis.
 
 What a person would check: the page loads with no console errors; while requests flow its
 numbers change without a reload and, the fleet held still, equal ``tokenfleet status --json``'s;
-a request's page shows its tokens as they arrive; a batch's progress advances; a dead-lettered
-request (its record lapsed while the worker was stopped) requeued from the page runs; a viewer
-key cannot act; a prompt holding ``<script>`` shows as text and runs nothing. Screenshots go to
-test-artifacts/console/ (gitignored).
+a request found by the search box shows its tokens as they arrive on its page; a batch's
+progress advances; a dead-lettered request (its record lapsed while the worker was stopped)
+requeued from the page runs; a viewer key cannot act; a prompt holding ``<script>`` shows as
+text and runs nothing. Screenshots go to test-artifacts/console/ (gitignored).
 """
 
 from __future__ import annotations
@@ -202,7 +202,10 @@ def test_a_requests_page_shows_its_tokens_as_they_arrive(admin: Visit) -> None:
     fleet = admin.fleet
     with client(fleet.redis_url, fleet.prefix) as producer:
         handle = producer.submit("tell a long story", max_tokens=300, ignore_eos=True)
-    page = admin.open(f"/console/requests/{handle.request_id}")
+    page = admin.page  # found through the search box, as a person would
+    page.fill("form.search input[name=id]", handle.request_id)
+    page.click("form.search button")
+    page.wait_for_url(f"**/console/requests/{handle.request_id}")
     counts: list[int] = []
 
     def arriving() -> bool:

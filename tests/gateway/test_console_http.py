@@ -262,3 +262,41 @@ def test_a_kv_pool_shows_its_members_as_status_json_does(fleet: Fleet, keys: Con
     finally:
         for m in members:
             m.leave()
+
+
+def test_cancel_needs_an_admin_key_and_ends_a_waiting_request(
+    fleet: Fleet, keys: ConsoleKeys
+) -> None:
+    with (
+        client(fleet.redis_url, fleet.prefix) as producer,
+        httpx.Client(base_url=fleet.gateway.url, timeout=30) as http,
+    ):
+        waiting = producer.submit("wait to be cancelled", model=IDLE_MODEL, max_tokens=4)
+        path = f"/console/requests/{waiting.request_id}/cancel"
+        refused = http.post(path, headers=keys.bearer("viewer"))
+        assert refused.status_code == 403 and "may look, not act" in refused.text
+        assert producer.status(waiting.request_id).status.value == "queued"  # nothing changed
+        done = http.post(path, headers=keys.bearer("admin"))
+        assert done.status_code == 200 and "cancelled" in done.text
+        assert producer.status(waiting.request_id).status.value == "cancelled"
+        again = http.post(path, headers=keys.bearer("admin"))
+        assert again.status_code == 200 and "it had already ended" in again.text
+        unknown = http.post("/console/requests/no-such-id/cancel", headers=keys.bearer("admin"))
+        assert unknown.status_code == 404
+
+
+def test_the_search_box_opens_a_requests_page(fleet: Fleet, keys: ConsoleKeys) -> None:
+    with client(fleet.redis_url, fleet.prefix) as producer:
+        handle = producer.submit("find me", max_tokens=2)
+        handle.result(timeout=60)
+    rid = handle.request_id
+    with httpx.Client(base_url=fleet.gateway.url, timeout=30, headers=keys.bearer("viewer")) as h:
+        found = h.get("/console/requests", params={"id": f"  {rid} "})
+        assert found.status_code == 303 and found.headers["location"] == f"/console/requests/{rid}"
+        page = h.get(found.headers["location"])
+        assert page.status_code == 200 and rid in page.text
+        assert '<span class="status done">done</span>' in page.text
+        bad = h.get("/console/requests", params={"id": "not an id!"})
+        assert bad.status_code == 400 and "id" in bad.json()["error"]["param"]
+        missing = h.get("/console/requests/never-submitted")
+        assert missing.status_code == 404 and "never-submitted" in missing.text
