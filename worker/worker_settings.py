@@ -199,6 +199,16 @@ class WorkerSettings:
         flag="--claim-idle-s",
         help="a dead worker's entry must have been idle this long before it is claimed (seconds)",
     )
+    repair_window_s: float = setting(
+        300.0,
+        env="TOKENFLEET_REPAIR_WINDOW_S",
+        flag="--repair-window-s",
+        help="how long the worker keeps what it published for a request it ended, to put it back "
+        "after a Redis rollback (failover, restart from an older snapshot); running requests are "
+        "always kept; 0 turns the repair off (a rolled-back request then ends error / "
+        "corrupt_state) (seconds)",
+        see=("Failover", "redis-modes.md#failover-nothing-lost"),
+    )
     poison_limit: int = setting(
         3,
         flag="--poison-limit",
@@ -298,7 +308,7 @@ class WorkerSettings:
                 f"{label(cls, 'heartbeat_ttl_s')} must be longer than the heartbeat interval "
                 f"({HEARTBEAT_INTERVAL_S} s), got {self.heartbeat_ttl_s}"
             )
-        for name in ("grace_s", "claim_interval_s", "claim_idle_s"):
+        for name in ("grace_s", "claim_interval_s", "claim_idle_s", "repair_window_s"):
             _check_at_least_0(name, getattr(self, name))
         if self.kv_pool is not None:
             _check("kv_pool", lambda pool: check_name("pool", pool), self.kv_pool)

@@ -12,15 +12,21 @@ Each keeps one invariant of the durable record atomically:
   owner's tokens start, is reported ``corrupt`` (the worker ends the request ``error``).
 * ``HANDBACK`` re-queues a running request at the tail of its stream (new entry, old one acked
   and deleted) so that any worker resumes it at once from its token list.
+* ``REPAIR`` puts back, from the worker's own memory, what a rollback (a failover, a restart from
+  an older snapshot) took from a request it runs or ended: the missing tail of its token list
+  (published again), its record, its end, and drops an entry that reappeared or was resubmitted;
+  a list holding events the worker did not publish is ``divergent`` (nothing written).
 * ``FORGET_ROUTERS`` drops a long-lapsed routed worker from its model's routers set only while
   its routed streams are empty, deleting them with it, so that no routed entry is orphaned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
-from tokenfleet.shared.keys import Keys
+from tokenfleet.shared import dead_letters
+from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.scripts.registry import KeyOrArg, load_lua
 
 START = load_lua(
@@ -33,6 +39,9 @@ HANDBACK = load_lua("tokenfleet.shared.scripts", "worker_handback.lua", ok_codes
 PULL = load_lua("tokenfleet.shared.scripts", "worker_pull.lua")
 STEAL = load_lua("tokenfleet.shared.scripts", "worker_steal.lua")
 FORGET_ROUTERS = load_lua("tokenfleet.shared.scripts", "worker_forget_routers.lua")
+REPAIR = load_lua(
+    "tokenfleet.shared.scripts", "worker_repair.lua", ok_codes=("retry", "yield", "divergent")
+)
 
 
 def append_tokens_keys_args(
@@ -49,4 +58,68 @@ def append_tokens_keys_args(
     for rid, first, events in batch:
         k += (keys.record(rid), keys.tokens(rid), keys.channel(rid))
         a += (first, len(events), *events)
+    return k, a
+
+
+@dataclass(slots=True)
+class RepairCall:
+    """What ``REPAIR`` needs to put one request back (see worker_repair.lua's header).
+
+    ``events`` holds the encoded token events this worker published, indices ``0 .. n-1``; only
+    those from ``from_index`` on are sent. ``status``/``event`` are its end ("" / b"" while it
+    runs)."""
+
+    request_id: str
+    stream: str  # the stream this worker's entry is in
+    entry_id: str
+    attempts: int
+    events: Sequence[bytes]
+    from_index: int
+    record_fields: Mapping[str, str]  # written when the record is gone
+    entry_fields: Mapping[str, bytes | str]  # re-added when a running request's entry is gone
+    status: str = ""
+    event: bytes = b""
+    end_fields: Mapping[str, str] = field(default_factory=dict)
+    other_stream: str = ""  # the stream of the entry the record names, if another one
+    other_entry: str = ""
+
+
+def repair_keys_args(
+    keys: Keys, worker: str, now: float, ttl_s: int, call: RepairCall
+) -> tuple[list[KeyOrArg], list[KeyOrArg]]:
+    """KEYS and ARGV of ``REPAIR`` for ``call``."""
+    rid = call.request_id
+    k: list[KeyOrArg] = [
+        keys.record(rid),
+        keys.tokens(rid),
+        keys.channel(rid),
+        call.stream,
+        call.other_stream or call.stream,
+        keys.cancel_set,
+        keys.tally,
+        keys.dead_letter,
+    ]
+    a: list[KeyOrArg] = [
+        worker,
+        repr(now),
+        ttl_s,
+        keys.publish_command,
+        CONSUMER_GROUP,
+        rid,
+        "finished" if call.status else "running",
+        len(call.events),
+        call.from_index,
+        call.attempts,
+        call.entry_id,
+        call.other_entry,
+        call.status,
+        call.event,
+        dead_letters.PAYLOAD_BYTES,
+        dead_letters.MAXLEN,
+    ]
+    for fields in (call.record_fields, call.entry_fields, call.end_fields):
+        a.append(len(fields))
+        for name, value in fields.items():
+            a += (name, value)
+    a.extend(call.events[call.from_index :])
     return k, a

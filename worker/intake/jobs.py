@@ -49,8 +49,10 @@ class Job:
     """A request this worker runs: its entry, decoded request and streaming progress.
 
     Invariant: ``num_published`` token events (indices ``0 .. num_published - 1``) are in the
-    request's token list; ``text_parts`` holds their texts in index order. The publisher never
-    changes a job: its owner applies each publish's result with :func:`record_published`.
+    request's token list; ``text_parts`` holds their texts in index order and ``events`` the
+    events themselves, encoded as they are in the list (what the worker puts back after a Redis
+    rollback: ``service/repair.py``). The publisher never changes a job: its owner applies each
+    publish's result with :func:`record_published`.
     """
 
     entry: Entry
@@ -60,6 +62,7 @@ class Job:
     text_parts: list[str] = field(default_factory=list)
     num_published: int = 0
     started_at: float = field(default_factory=time.time)
+    events: list[bytes] = field(default_factory=list)  # encoded, index order (repair.py)
 
     @property
     def request_id(self) -> str:
@@ -87,3 +90,4 @@ def record_published(appended: Iterable[tuple[Job, Sequence[TokenEvent]]]) -> No
     for job, events in appended:
         job.num_published = events[-1].index + 1
         job.text_parts.extend(e.text for e in events)
+        job.events.extend(e.encode() for e in events)

@@ -277,6 +277,7 @@ class Starter:
                 raise ProtocolError(f"its token list holds no token event {i} at index {i}")
             job.resume_token_ids.append(event.token_id)
             job.text_parts.append(event.text)
+            job.events.append(raw if isinstance(raw, bytes) else str(raw).encode())
         job.num_published = len(job.resume_token_ids)
         return job
 

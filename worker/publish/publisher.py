@@ -77,6 +77,10 @@ class StepResult(Generic[T]):
     corrupt: dict[str, str] = field(default_factory=dict)
     cancel_requested: list[str] = field(default_factory=list)  # running ids to abort
     finished: list[Finish] = field(default_factory=list)  # finishes that took effect
+    # what did not take effect for the lost and corrupt ids: their events and finishes, by id
+    # (the outbox hands them to the repair: service/repair.py)
+    refused: dict[str, tuple[T, Sequence[TokenEvent]]] = field(default_factory=dict)
+    refused_finishes: dict[str, Finish] = field(default_factory=dict)
     pool_reply: Any = None  # the KV-pool step's reply (PoolLink.after_execute); None without one
 
 
@@ -144,8 +148,10 @@ class PendingPublish(Generic[T]):
                     cause = reply[1]
                     text = cause.decode("utf-8", "replace") if isinstance(cause, bytes) else cause
                     result.corrupt[batch[1][0].request_id] = str(text)
+                    result.refused[batch[1][0].request_id] = batch
                 else:
                     result.lost.add(batch[1][0].request_id)
+                    result.refused[batch[1][0].request_id] = batch
         for fin in self._finishes:
             code = replies[i][0]
             i += 1
@@ -154,6 +160,7 @@ class PendingPublish(Generic[T]):
                 result.finished.append(fin)
             else:
                 result.lost.add(rid)
+                result.refused_finishes[rid] = fin
         if self._check_cancel:
             flags = replies[i]
             result.cancel_requested = [

@@ -74,6 +74,7 @@ from tokenfleet.worker.service.outage import (
     restore,
 )
 from tokenfleet.worker.service.outbox import Outbox
+from tokenfleet.worker.service.repair import FinishedLedger, Repairer
 from tokenfleet.worker.service.routing_wiring import wire_routing
 from tokenfleet.worker.service.run_table import RunTable
 from tokenfleet.worker.service.step_failure import EXIT_ENGINE_BROKEN, StepFailures
@@ -131,8 +132,27 @@ class WorkerService:
             self.client, settings, model_name=wsettings.model_name, worker_name=name
         )
         apart = self.fleet_client is not None  # (a pool step in a round trip of its own)
+        repairer = (
+            Repairer(
+                self.client,
+                publisher.keys,
+                worker_name=name,
+                ttl_s=settings.record_ttl_s,
+                metrics=self.metrics,
+            )
+            if wsettings.repair_window_s > 0
+            else None
+        )
         self.outbox = Outbox(
-            publisher, self.table, engine, self.metrics, self.pool, worker_name=name, apart=apart
+            publisher,
+            self.table,
+            engine,
+            self.metrics,
+            self.pool,
+            worker_name=name,
+            apart=apart,
+            repairer=repairer,
+            ledger=FinishedLedger(wsettings.repair_window_s),
         )
         self.feed = Feeder(
             self.intake,

@@ -136,6 +136,19 @@ class WorkerMetrics:
             [*mp, "reason"],
             registry=r,
         )
+        self.repairs = Counter(
+            "tokenfleet:request_repairs",
+            "Requests checked after a Redis rollback that needed something: repaired (put back "
+            "from the worker's memory), yield (another worker had it), divergent (ended error).",
+            [*m, "outcome"],
+            registry=r,
+        )
+        self.repaired_tokens = Counter(
+            "tokenfleet:repaired_tokens",
+            "Token events appended again after a Redis rollback (repairs).",
+            m,
+            registry=r,
+        )
         self.claimed = Counter(
             "tokenfleet:requests_claimed",
             "Requests claimed from workers whose heartbeat lapsed.",
@@ -267,6 +280,12 @@ class WorkerMetrics:
     def observe_route(self, how: str) -> None:
         """A request started: ``hit``, ``miss``, ``steal`` or ``overflow`` (``routed``)."""
         self.routed.labels(self.model_name, how).inc()
+
+    def observe_repair(self, outcome: str, tokens: int) -> None:
+        """A repair's outcome (``repaired``, ``yield``, ``divergent``) and tokens put back."""
+        self.repairs.labels(self.model_name, outcome).inc()
+        if tokens:
+            self.repaired_tokens.labels(self.model_name).inc(tokens)
 
     def observe_outcome(self, priority: Priority, kind: str) -> None:
         """An entry that never ran: ``expired``, ``dead_letter``, ``worker_lost``, ``claimed``."""

@@ -235,7 +235,8 @@ def restore(
     streams.ensure_groups()
     if pool is not None:
         pool.abandon()  # a pool call is never sent again (publisher.py)
-    outbox.flush()  # every publish not answered, sent again
+    outbox.repair_all()  # first: what a rollback took, put back (repair.py), so that
+    outbox.flush()  # every publish not answered, sent again, finds its list where it left it
     outbox.close()  # the next step's publish opens a fresh connection (the old one may be dead)
     restarted = feed.reconcile()
     log.warning(

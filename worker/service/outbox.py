@@ -27,6 +27,7 @@ from tokenfleet.worker.publish.publisher import Finish, PendingPublish, Publishe
 from tokenfleet.worker.service.adapter import StepEvents
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.repair import FinishedLedger, Outcome, Repairer, Target
 from tokenfleet.worker.service.run_table import RunTable
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class Outbox:
         *,
         worker_name: str,
         apart: bool = False,
+        repairer: Repairer | None = None,
+        ledger: FinishedLedger | None = None,
     ) -> None:
         self.publisher = publisher
         self.pool_apart = apart  # a cluster: the pool's slot is not the lane's (its step then
@@ -72,6 +75,8 @@ class Outbox:
         self.metrics = metrics
         self.pool = pool
         self.worker_name = worker_name
+        self.repairer = repairer  # None: no repair (a lost or corrupt publish is final)
+        self.ledger = ledger if ledger is not None else FinishedLedger(0.0)
         self._inflight: deque[PendingPublish[Job]] = deque()  # sent, replies not yet applied
 
     @property
@@ -170,14 +175,95 @@ class Outbox:
         """Drop the publisher's connection (after the last flush)."""
         self.publisher.close()
 
+    def repair_all(self, skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Outcome]:
+        """Check every request this worker runs or ended within its repair window against
+        Redis and put back what a rollback took (``service/repair.py``); apply the outcomes to
+        the running jobs. The caller has applied every publish it can (or none is in flight
+        that Redis answered). Returns the outcomes by id (empty without a repairer)."""
+        if self.repairer is None:
+            return {}
+        running = [
+            Target(job, job.events) for rid, job in self.table.jobs.items() if rid not in skip
+        ]
+        ended = [t for t in self.ledger.targets() if t.request_id not in skip]
+        outcomes = self.repairer.check(running + ended)
+        for target in running:
+            self._settle(target.job, outcomes[target.request_id])
+        for target in ended:
+            if outcomes[target.request_id].kind in ("yield", "divergent"):
+                self.ledger.forget(target.request_id)  # not this worker's to put back any more
+        return outcomes
+
+    def _settle(self, job: Job, outcome: Outcome) -> None:
+        """Apply a running job's repair outcome outside a publish's result."""
+        if outcome.new_entry:
+            job.entry.entry_id = outcome.new_entry
+        if outcome.kind == "yield":
+            self._drop_lost(job.request_id)
+        elif outcome.kind == "divergent":
+            self._end_corrupt(job.request_id, outcome.why)
+
+    def _repair_refused(self, result: StepResult[Job]) -> None:
+        """Publishes answered ``lost`` or ``corrupt`` for some running jobs: a rollback may have
+        taken their state. Check them (their refused events and finishes included) and move the
+        ones put back into the result's appended and finished; after a repair, check every other
+        request too (a rollback takes them all)."""
+        assert self.repairer is not None
+        table = self.table
+        suspects = [rid for rid in (*result.lost, *result.corrupt) if rid in table.jobs]
+        if not suspects:
+            return
+        targets = []
+        for rid in dict.fromkeys(suspects):
+            job = table.jobs[rid]
+            batch = result.refused.get(rid)
+            extra = [e.encode() for e in batch[1]] if batch is not None else []
+            targets.append(Target(job, job.events + extra, result.refused_finishes.get(rid)))
+        outcomes = self.repairer.check(targets)
+        for target in targets:
+            rid, outcome = target.request_id, outcomes[target.request_id]
+            if outcome.new_entry:
+                target.job.entry.entry_id = outcome.new_entry
+            if outcome.kind in ("repaired", "intact"):
+                result.lost.discard(rid)
+                result.corrupt.pop(rid, None)
+                batch = result.refused.pop(rid, None)
+                if batch is not None:
+                    result.appended.append(batch)
+                fin = result.refused_finishes.pop(rid, None)
+                if fin is not None:
+                    result.finished.append(fin)
+            elif outcome.kind == "yield":
+                result.corrupt.pop(rid, None)
+                result.lost.add(rid)
+            else:
+                result.lost.discard(rid)
+                result.corrupt[rid] = outcome.why
+        if any(o.kind == "repaired" for o in outcomes.values()):
+            self.repair_all(skip=set(outcomes))
+
+    def _drop_lost(self, rid: str) -> None:
+        if self.table.remove(rid) is not None:
+            log.warning(
+                "worker %s: %s is no longer held by this worker (taken over by another, "
+                "handed back or ended); dropped here",
+                self.worker_name,
+                rid,
+            )
+            self.engine.abort(rid)
+
     def _apply(self, result: StepResult[Job]) -> None:
         if self.pool is not None and result.pool_reply is not None:
             self.pool.after_execute(result.pool_reply)
+        if self.repairer is not None and (result.lost or result.corrupt):
+            self._repair_refused(result)
         record_published(result.appended)
         table = self.table
         for fin in result.finished:
             ev = fin.event
-            table.remove(ev.request_id)
+            job = table.remove(ev.request_id)
+            if job is not None:
+                self.ledger.add(job, fin)
             self.metrics.observe_finish(
                 fin.priority,
                 ev.status.value,
@@ -187,14 +273,7 @@ class Outbox:
                 error=f"{ev.code}: {ev.message}" if ev.status is TerminalStatus.ERROR else "",
             )
         for rid in result.lost:
-            if table.remove(rid) is not None:
-                log.warning(
-                    "worker %s: %s is no longer held by this worker (taken over by another, "
-                    "handed back or ended); dropped here",
-                    self.worker_name,
-                    rid,
-                )
-                self.engine.abort(rid)
+            self._drop_lost(rid)
         for rid, cause in result.corrupt.items():
             self._end_corrupt(rid, cause)
         table.request_cancels(result.cancel_requested)
