@@ -75,7 +75,11 @@ local function push_missing()
   for i = length, n - 1 do
     local data = ARGV[ev + i - from]
     redis.call('RPUSH', KEYS[2], data)
-    redis.call(publish, KEYS[3], data)
+    if publish == 'SPUBLISH' then  -- a Redis Cluster: sharded pub/sub
+      redis.call('SPUBLISH', KEYS[3], data)
+    else
+      redis.call('PUBLISH', KEYS[3], data)
+    end
     pushed = pushed + 1
   end
   if pushed > 0 then

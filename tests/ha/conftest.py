@@ -6,6 +6,8 @@ loopback ports; ``LocalSentinel``) and one private Redis Cluster (3 primaries + 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +25,14 @@ def sentinel_setup() -> Iterator[LocalSentinel]:
 def redis_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(num_primaries=3) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def ref_engine(tiny_llama_dir: Path) -> Any:
+    """An in-process engine on the tiny Llama: what the fleet's greedy output must equal."""
+    import torch
+
+    from tokenfleet.worker.engine.engine import Engine
+
+    torch.set_num_threads(1)
+    return Engine(tiny_llama_dir, device="cpu")

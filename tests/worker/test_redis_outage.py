@@ -139,12 +139,17 @@ class Fleet:
 
 @contextmanager
 def fleet(
-    model_dir: Path, log_dir: Path, *, appendonly: bool, socket_timeout_s: int = 10
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    appendonly: bool,
+    socket_timeout_s: int = 10,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Fleet]:
     server = RedisServer(unix_socket=False, appendonly=appendonly).start()
     workers: list[WorkerProc] = []
     client = None
-    env = {"TOKENFLEET_REDIS_SOCKET_TIMEOUT_S": str(socket_timeout_s)}
+    env = {"TOKENFLEET_REDIS_SOCKET_TIMEOUT_S": str(socket_timeout_s), **(env or {})}
     try:
         workers = [
             WorkerProc(model_dir, server.url, PREFIX, name, log_dir, env=env)
@@ -220,10 +225,14 @@ def test_redis_stalled_past_the_socket_timeout_under_load(
         assert "lost Redis" in logs, logs  # the stall outlasted the socket timeout
 
 
-def test_without_aof_every_request_ends_visibly(
+def test_without_aof_and_without_repair_every_request_ends_visibly(
     tiny_model_dir: Path, reference: dict[str, list[int]], tmp_path: Path
 ) -> None:
-    with fleet(tiny_model_dir, tmp_path, appendonly=False) as f:
+    """The repair turned off (``TOKENFLEET_REPAIR_WINDOW_S=0``) and readers that did not submit
+    (no resubmission): what Redis lost reaches the clients, visibly. With the defaults nothing
+    is lost: tests/ha/test_failover_standalone.py."""
+    off = {"TOKENFLEET_REPAIR_WINDOW_S": "0"}
+    with fleet(tiny_model_dir, tmp_path, appendonly=False, env=off) as f:
         f.submit([f"n-{i}" for i in range(8)])
         f.wait_mid_stream()
         f.server.restart()  # everything Redis held is gone
