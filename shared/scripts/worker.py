@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tokenfleet.shared import dead_letters
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.scripts.registry import KeyOrArg, load_lua
 
@@ -97,7 +96,6 @@ def repair_keys_args(
         call.other_stream or call.stream,
         keys.cancel_set,
         keys.tally,
-        keys.dead_letter,
     ]
     a: list[KeyOrArg] = [
         worker,
@@ -114,8 +112,6 @@ def repair_keys_args(
         call.other_entry,
         call.status,
         call.event,
-        dead_letters.PAYLOAD_BYTES,
-        dead_letters.MAXLEN,
     ]
     for fields in (call.record_fields, call.entry_fields, call.end_fields):
         a.append(len(fields))

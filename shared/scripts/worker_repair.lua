@@ -2,7 +2,7 @@
 -- KEYS[3] = request channel              KEYS[4] = the stream this worker's entry is in
 -- KEYS[5] = the stream of the entry the record names, when it is another one (a resubmission;
 --           else KEYS[4])                 KEYS[6] = cancel set
--- KEYS[7] = queue ends hash (Keys.tally)  KEYS[8] = dead-letter stream (Keys.dead_letter)
+-- KEYS[7] = queue ends hash (Keys.tally)
 -- ARGV[1] = worker name                  ARGV[2] = now (epoch seconds)
 -- ARGV[3] = record TTL in seconds        ARGV[4] = publish command (PUBLISH, or SPUBLISH)
 -- ARGV[5] = consumer group name          ARGV[6] = request id
@@ -14,15 +14,16 @@
 -- ARGV[11] = this worker's entry id      ARGV[12] = the entry id the record named when the
 --            caller read it, if another one (dropped: a resubmission), else ""
 -- ARGV[13] = terminal status ("" while running)   ARGV[14] = encoded terminal event (or "")
--- ARGV[15] = payload bytes a dead letter keeps    ARGV[16] = the dead-letter stream's MAXLEN
--- ARGV[17] = R, then R field/value pairs: the record as this worker knows it (written when the
+-- ARGV[15] = R, then R field/value pairs: the record as this worker knows it (written when the
 --            record is gone: model, priority, started_at, ...)
 -- then E, then E field/value pairs: its entry's fields (re-added when the entry is gone)
 -- then T, then T field/value pairs: the terminal fields (text, finish_reason, usage, ...)
 -- then the encoded token events from index ``from`` to n-1
 -- Puts back what a rollback (a failover, a restart from an older snapshot or AOF) took from a
 -- request this worker runs or ended, from the worker's own memory; atomic and idempotent (run
--- twice, the second run changes nothing). Returns one of
+-- twice, the second run changes nothing). An end written again is counted in the tally like any
+-- end (the rollback took its count too); an ``error`` end leaves no second dead letter (the first
+-- is in the dead-letter stream unless the rollback took it as well). Returns one of
 --   {"ok", pushed, rewrote, ended, dropped, new_entry}: restored (or nothing to do): ``pushed``
 --       token events appended (and published: live subscribers fill their gap, dropping indices
 --       they have), ``rewrote`` 1 if the record was written again (gone, rolled back to queued,
@@ -39,7 +40,7 @@
 local worker, now, ttl, publish, group = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local mode, n, from = ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9])
 local mine, sid, other = tonumber(ARGV[10]), ARGV[11], ARGV[12]
-local a = 17
+local a = 15
 local function pairs_at()
   local count = tonumber(ARGV[a])
   local out = {}
@@ -149,8 +150,7 @@ end
 redis.call('HSET', KEYS[1], 'num_tokens', n)
 dropped = dropped + #redis.call('XRANGE', KEYS[4], sid, sid)  -- (tf_finish acks and deletes it)
 local result = tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[6], ARGV[6], ARGV[13],
-                         ARGV[14], now, ttl, sid, group, '', end_fields, publish, KEYS[7],
-                         KEYS[8], ARGV[15], ARGV[16])
+                         ARGV[14], now, ttl, sid, group, '', end_fields, publish, KEYS[7], nil)
 local ended = 0
 if result[1] == 'ok' then ended = 1 end
 return {'ok', pushed, rewrote, ended, dropped, ''}
