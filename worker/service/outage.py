@@ -28,7 +28,8 @@ ride out:
 3. **Restore** (``WorkerService._restore``), in this order: the heartbeat first (from then on
    nobody claims this worker's requests), with ``redis_state`` = ``recovering``; the consumer
    groups (``XGROUP CREATE ... MKSTREAM``, ``BUSYGROUP`` ignored: a Redis that lost its data lost
-   them too) and the queue index; then every publish whose replies did not come is sent again
+   them too) and the queue index; then the repair of what a rollback took (``repair.py``); then
+   every publish whose replies did not come is sent again
    (``publish/publisher.py``: each part of it is idempotent for the same worker, so it does not
    matter whether Redis ran the first one), and the results applied: requests another worker
    took over meanwhile (the heartbeat lapsed during a long outage), or whose record Redis lost,
@@ -39,11 +40,10 @@ ride out:
    error during the restore goes back to 2. Then stepping resumes, beginning with the step whose
    publish was held, if any.
 
-What a worker cannot do: give a terminal event to a request whose record Redis lost (restarted
-without persistence). Its handle sees the record gone and raises ``RequestLost``
-(``producer/core/handle_core.py``); the worker drops the request when its next publish answers
-``lost``. A KV pool lost with Redis's data must be created again by an operator; a member whose
-lease lapsed is re-registered by its next pool step.
+What Redis forgot (a failover, a restart from an older snapshot or without AOF) the worker puts
+back before it sends anything again (``service/repair.py``, ``Outbox.repair_all``): the requests
+it runs and those it ended within ``repair_window_s``. A KV pool lost with Redis's data must be
+created again by an operator; a member whose lease lapsed is re-registered by its next pool step.
 """
 
 from __future__ import annotations
