@@ -4,6 +4,8 @@ snapshot or a promoted replica holds), then the repair runs twice (the second ch
 
 from __future__ import annotations
 
+from typing import Any
+
 import redis
 from worker_helpers import enqueue, make_intake, make_request, record, subscribe, token_events
 
@@ -47,8 +49,8 @@ def _repairer(r: redis.Redis, keys: Keys) -> Repairer:
 
 
 def _pending_of(r: redis.Redis, stream: str, consumer: str) -> list[str]:
-    rows = r.xpending_range(stream, CONSUMER_GROUP, "-", "+", 100, consumername=consumer)
-    return [str(row["message_id"], "ascii") for row in rows]
+    rows: Any = r.xpending_range(stream, CONSUMER_GROUP, "-", "+", 100, consumername=consumer)
+    return [row["message_id"].decode() for row in rows]
 
 
 def test_a_shortened_list_and_a_record_rolled_back_to_queued_are_put_back(
@@ -101,8 +103,9 @@ def test_a_lost_end_is_written_again_once_and_a_reappeared_entry_dropped(
     (job,) = _start(r, settings, keys, ["f"])
     publisher = Publisher(r, settings, model_name="default", worker_name=W)
     _publish(publisher, job, 2)
-    before = dict(r.hgetall(keys.record("f")))
-    entry = r.xrange(job.entry.stream, job.entry.entry_id, job.entry.entry_id)[0][1]
+    before: Any = r.hgetall(keys.record("f"))
+    found: Any = r.xrange(job.entry.stream, job.entry.entry_id, job.entry.entry_id)
+    entry = found[0][1]
     _publish(publisher, job, 2)
     fin = _finish(publisher, job)
     ledger = FinishedLedger(300.0)
@@ -160,7 +163,7 @@ def test_another_worker_further_along_keeps_it_and_a_divergent_list_is_named(
     _publish(other, theirs, 1)
     _publish(publisher, diverged, 1)
     r.ltrim(keys.tokens("div"), 0, 1)  # rolled back, and another event at index 1
-    r.lset(keys.tokens("div"), 1, TokenEvent("div", 1, 999, "other").encode())
+    r.lset(keys.tokens("div"), 1, TokenEvent("div", 1, 999, "other").encode().decode())
     outs = _repairer(r, keys).check(
         [Target(ahead, ahead.events), Target(diverged, diverged.events)]
     )
