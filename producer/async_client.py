@@ -19,6 +19,7 @@ from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.fleet_status import fleet_status
 from tokenfleet.producer.core.models import ModelInfo
+from tokenfleet.producer.core.request import Prepared
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
@@ -45,12 +46,14 @@ class AsyncClient(ClientCore[AsyncHandle]):
         settings: Settings | None = None,
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
+        resubmit_lost: bool | None = None,
     ) -> None:
         super().__init__(
             redis_client,
             settings=settings,
             recheck_s=recheck_s,
             subscribe_timeout_s=subscribe_timeout_s,
+            resubmit_lost=resubmit_lost,
         )
         self._run = AsyncDriver(self._slots, redis_client).run
 
@@ -75,9 +78,15 @@ class AsyncClient(ClientCore[AsyncHandle]):
         subscription: Mailbox | None,
         deadline: float | None,
         keys: Keys | None = None,
+        prepared: Prepared | None = None,
     ) -> AsyncHandle:
         return AsyncHandle(
-            self, request_id, subscription=subscription, deadline=deadline, keys=keys
+            self,
+            request_id,
+            subscription=subscription,
+            deadline=deadline,
+            keys=keys,
+            prepared=prepared,
         )
 
     async def aclose(self) -> None:

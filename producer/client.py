@@ -16,6 +16,7 @@ from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
 from tokenfleet.producer.core.fleet_status import fleet_status
 from tokenfleet.producer.core.models import ModelInfo
+from tokenfleet.producer.core.request import Prepared
 from tokenfleet.producer.core.subscriptions import (
     pubsub_connection_factory,
     subscribe_commands,
@@ -43,6 +44,10 @@ class Client(ClientCore[Handle]):
         recheck_s: how long a handle lets its channel stay quiet before re-reading the record.
         subscribe_timeout_s: how long a handle's first read waits for Redis to confirm its
             subscription (``submit`` does not wait) before raising ``redis.ConnectionError``.
+        resubmit_lost: a handle of a request this client submitted whose record Redis lost
+            (a failover, a restart from an older snapshot) submits it again, same id and
+            parameters, once per loss, instead of raising ``RequestLost`` (default: the
+            settings' ``resubmit_lost``, on; docs/redis-modes.md).
     """
 
     _subscriber: Subscriber
@@ -54,12 +59,14 @@ class Client(ClientCore[Handle]):
         settings: Settings | None = None,
         recheck_s: float = 5.0,
         subscribe_timeout_s: float = 10.0,
+        resubmit_lost: bool | None = None,
     ) -> None:
         super().__init__(
             redis_client,
             settings=settings,
             recheck_s=recheck_s,
             subscribe_timeout_s=subscribe_timeout_s,
+            resubmit_lost=resubmit_lost,
         )
         self._run = SyncDriver(self._slots, redis_client).run
 
@@ -84,8 +91,16 @@ class Client(ClientCore[Handle]):
         subscription: Mailbox | None,
         deadline: float | None,
         keys: Keys | None = None,
+        prepared: Prepared | None = None,
     ) -> Handle:
-        return Handle(self, request_id, subscription=subscription, deadline=deadline, keys=keys)
+        return Handle(
+            self,
+            request_id,
+            subscription=subscription,
+            deadline=deadline,
+            keys=keys,
+            prepared=prepared,
+        )
 
     def close(self) -> None:
         """Stop the subscribers (and close the pools this client created: ``from_url``'s, and

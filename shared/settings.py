@@ -89,6 +89,14 @@ class Settings:
         "0 keeps trying forever (seconds)",
         see=("Redis outages", "redis-modes.md#redis-outages"),
     )
+    resubmit_lost: bool = setting(
+        True,
+        env="TOKENFLEET_RESUBMIT_LOST",
+        help="a handle (and the gateway, and the Batch API runner) whose accepted request Redis "
+        "lost (record and entry gone: a failover, a restart from an older snapshot) submits it "
+        "again with the same id and parameters, once per loss; 0: raise RequestLost instead",
+        see=("Failover", "redis-modes.md#failover-nothing-lost"),
+    )
     redis_max_connections: int = setting(
         2000,
         env="TOKENFLEET_REDIS_MAX_CONNECTIONS",

@@ -98,8 +98,12 @@ class ClientCore(ABC, Generic[H]):
         settings: Settings | None,
         recheck_s: float,
         subscribe_timeout_s: float,
+        resubmit_lost: bool | None = None,
     ) -> None:
         self.settings = settings if settings is not None else Settings.from_env()
+        self.resubmit_lost = (
+            self.settings.resubmit_lost if resubmit_lost is None else bool(resubmit_lost)
+        )
         self._keys = Keys.for_settings(self.settings)
         self.recheck_s = recheck_s
         self.subscribe_timeout_s = subscribe_timeout_s
@@ -147,8 +151,11 @@ class ClientCore(ABC, Generic[H]):
         subscription: Mailbox | None,
         deadline: float | None,
         keys: Keys | None = None,
+        prepared: Prepared | None = None,
     ) -> H:
-        """The face's handle on ``request_id`` (``keys``: its lane's names, when known)."""
+        """The face's handle on ``request_id`` (``keys``: its lane's names, when known;
+        ``prepared``: the request as submitted, which the handle submits again if Redis loses
+        it)."""
 
     def handle(self, request_id: str) -> H:
         """A handle on an existing request (e.g. one submitted by another process)."""
@@ -200,7 +207,7 @@ class ClientCore(ABC, Generic[H]):
                 except redis.ConnectionError:  # closed meanwhile: the request exists anyway
                     sub = None  # the handle subscribes on its first read (and says why not)
                 deadline = prepared.deadline if code == "new" else None
-                return self._new_handle(prepared.request_id, sub, deadline, keys)
+                return self._new_handle(prepared.request_id, sub, deadline, keys, prepared)
             if code != "full" or (until is not None and time.monotonic() + delay > until):
                 raise ops.refusal(code, value, prepared.request_id, prepared.model)
             yield Sleep(delay)
@@ -221,6 +228,22 @@ class ClientCore(ABC, Generic[H]):
             cached = (now, tuple(sorted(n.decode() if isinstance(n, bytes) else n for n in names)))
             self._routers[model] = cached
         return RouteTargets(cached[1], self.settings.session_ttl_s)
+
+    def _resubmit(self, prepared: Prepared) -> Plan[None]:
+        """Enqueue ``prepared`` again (same id and parameters) after Redis lost it: its queue's
+        policy applies as to any submit (``full`` waits, with ``BLOCK_POLL``'s pauses); a refusal
+        raises (``Overloaded``, ...). ``exists``: it is back already (a worker's repair)."""
+        delay, growth, ceiling = ops.BLOCK_POLL
+        while True:
+            route = yield from self._route_targets(prepared.model)
+            code, value = ops.enqueue_pair((yield self._enqueue(prepared, False, route)))
+            if code in ("new", "exists"):
+                self._lanes.remember(prepared.request_id, prepared.model)
+                return
+            if code != "full":
+                raise ops.refusal(code, value, prepared.request_id, prepared.model)
+            yield Sleep(delay)
+            delay = min(delay * growth, ceiling)
 
     def _try_submit(self, prompt: Any, params: dict[str, Any]) -> Plan[H]:
         params.pop("timeout", None)
@@ -278,7 +301,7 @@ class ClientCore(ABC, Generic[H]):
                 new_handle = self._new_handle
                 lane = {m: self._keys.for_model(m) for m in {p.model for p in prepared}}
                 results.extend(
-                    [new_handle(p.request_id, None, p.deadline, lane[p.model]) for p in prepared]
+                    [new_handle(p.request_id, None, p.deadline, lane[p.model], p) for p in prepared]
                 )
 
         # one round trip per slot (a cluster: per model's lane; else one for every batch)

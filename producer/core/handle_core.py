@@ -8,11 +8,17 @@ request's deadline, when a still-queued request is finished ``expired`` right th
 
 Redis outages (``outage.py``): a read that loses its connection waits with jittered backoff and
 syncs again from the durable record; a record that is gone once the request was known to exist
-(submitted by this handle, or seen by an earlier sync) means Redis lost it: ``RequestLost``.
+(submitted by this handle, or seen by an earlier sync) means Redis lost it (a failover, a restart
+from an older snapshot). A handle that submitted the request submits it again, same id and
+parameters, once per loss (``Client(resubmit_lost=...)``, on by default) and reads on from the
+index it has: the new run's first tokens (equal for greedy sampling) are dropped as indices
+already seen, and if a worker still running it puts it back first (worker/service/repair.py), the
+resubmission finds it there. Other handles, or with ``resubmit_lost`` off: ``RequestLost``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections import deque
@@ -33,6 +39,7 @@ from tokenfleet.producer.core.effects import (
     Transaction,
 )
 from tokenfleet.producer.core.outage import REDIS_DOWN, OutageClock
+from tokenfleet.producer.core.request import Prepared
 from tokenfleet.producer.core.result import Result, build_result
 from tokenfleet.producer.core.subscriptions import NotConfirmed
 from tokenfleet.shared.errors import (
@@ -53,6 +60,8 @@ from tokenfleet.shared.schema import (
 
 if TYPE_CHECKING:
     from tokenfleet.producer.core.client_core import ClientCore
+
+log = logging.getLogger(__name__)
 
 
 def wait_for(recheck_s: float, until: float | None, deadline: float | None) -> float | None:
@@ -99,8 +108,11 @@ class HandleCore:
         subscription: Mailbox | None = None,
         deadline: float | None = None,
         keys: Keys | None = None,
+        prepared: Prepared | None = None,
     ) -> None:
         self.request_id = request_id
+        self._prepared = prepared  # the request as submitted: sent again if Redis loses it
+        self.resubmits = 0  # times this handle submitted its request again (lost by Redis)
         self._client = client
         self._sub: Mailbox | None = None
         self._finalizer: weakref.finalize[Any, Any] | None = None
@@ -264,6 +276,16 @@ class HandleCore:
             )
             raw, tokens = yield Transaction(read)
             record = RequestRecord.from_hash(rid, raw)
+            if record is None and self._seen and self._prepared and client.resubmit_lost:
+                yield from client._resubmit(self._prepared)
+                self.resubmits += 1
+                log.warning(
+                    "resubmitted %s after Redis lost it (its record vanished); reading on "
+                    "from index %d",
+                    rid,
+                    self._cursor.next_index,
+                )
+                continue
             if record is None and self._seen:
                 raise RequestLost(
                     f"request {rid} is gone from Redis: its record vanished while it was being "

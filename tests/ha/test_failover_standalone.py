@@ -2,9 +2,11 @@
 (no AOF, no WAIT). Everything Redis took after the snapshot is gone when it comes back: token
 lists shorter than the workers left them, records back at ``running`` or ``queued``, ends
 undone, entries the workers had acked back in their pending lists. The workers put it back from
-what they published (worker/service/repair.py); every request ends exactly once, ``done``, each
-client stream (``Handle.stream()`` and SSE through the gateway) gap-free, duplicate-free and equal
-to the undisturbed greedy run (tests/ha/chaos_fleet.py)."""
+what they published (worker/service/repair.py); requests submitted after the snapshot that no
+worker has started are gone too: their handles (and the gateway's) submit them again. Every
+request ends exactly once, ``done``, each client stream (``Handle.stream()`` and SSE through the
+gateway) gap-free, duplicate-free and equal to the undisturbed greedy run
+(tests/ha/chaos_fleet.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def test_restarted_from_a_snapshot_taken_mid_run_nothing_is_lost(
             fleet.wait_running(min_tokens=8)
             with inspect() as r:
                 r.save()  # the snapshot (dump.rdb in the server's directory)
+            fleet.submit(4, sse=1)  # after the snapshot: gone on restart unless a worker has them
 
             def one_ended_since() -> bool:
                 return any(x is not None and x.status == "done" for x in fleet.records())

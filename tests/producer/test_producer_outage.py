@@ -1,10 +1,14 @@
 """Handles across Redis outages (docs/redis-modes.md, "Redis outages"): a restart is ridden out
-from the durable record, a stall too, and a record Redis lost ends the read with ``RequestLost``."""
+from the durable record, a stall too; a request Redis lost is submitted again by the handle that
+submitted it (same id and parameters, once per loss), and ends the read with ``RequestLost`` with
+``resubmit_lost`` off or on a handle that did not submit it."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from typing import Any
 
 import pytest
 import redis
@@ -14,21 +18,83 @@ from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.producer.core.outage import CEILING_S, FIRST_S, OutageClock
 from tokenfleet.shared.errors import RedisUnavailable, RequestLost
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import Event, TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 
-def test_a_record_that_vanishes_ends_the_read_with_request_lost(
+def _wait(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _lose(r: redis.Redis, keys: Keys, rid: str) -> None:
+    """What a Redis restarted from an older snapshot shows: the record and the entry gone."""
+    stream = keys.stream("default", Priority.NORMAL)
+    sid: Any = r.hget(keys.record(rid), "stream_id")
+    r.delete(keys.record(rid), keys.tokens(rid))
+    r.xdel(stream, sid)
+
+
+def test_a_lost_request_is_submitted_again_by_its_handle_and_read_on(
+    client: Client, r: redis.Redis, keys: Keys, worker: FakeWorker
+) -> None:
+    """Lost twice (record and entry gone, as after a restart from an older snapshot): each loss
+    is submitted again once, same id and payload; the new run's repeated first tokens are
+    dropped by index, the reader sees each index once and one end."""
+    handle = client.submit("hi", max_tokens=7, temperature=0.0)
+    rid = handle.request_id
+    stream_key = keys.stream("default", Priority.NORMAL)
+    first: Any = r.xrange(stream_key)
+    payload = first[0][1][b"d"]
+    assert worker.take() == rid
+    worker.emit(rid, 0, ["a", "b"])
+    events: list[Event] = []
+    reader = threading.Thread(target=lambda: events.extend(handle.stream(timeout=60)))
+    reader.start()
+    _wait(lambda: len(events) >= 2, "the first two tokens")
+    for loss in (1, 2):
+        _lose(r, keys, rid)
+        _wait(lambda: handle.resubmits == loss and r.exists(keys.record(rid)), f"resubmit {loss}")  # noqa: B023
+        entries: Any = r.xrange(stream_key)
+        assert [(e[1][b"id"], e[1][b"d"]) for e in entries] == [(rid.encode(), payload)]
+    assert worker.take() == rid  # the new run: its first tokens repeat, the reader drops them
+    worker.emit(rid, 0, ["a", "b", "c"])
+    worker.finish(rid, num_tokens=3, text="abc")
+    reader.join(60)
+    assert [e.index for e in events if isinstance(e, TokenEvent)] == [0, 1, 2]
+    ends = [e for e in events if isinstance(e, TerminalEvent)]
+    assert len(ends) == 1 and ends[0].status == "done" and events[-1] is ends[0]
+
+
+def test_with_resubmit_lost_off_a_record_that_vanishes_raises_request_lost(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    with Client(r, settings=settings, recheck_s=1.0, resubmit_lost=False) as client:
+        handle = client.submit("hi")
+        _lose(r, keys, handle.request_id)
+        with pytest.raises(RequestLost, match="gone from Redis"):
+            handle.result(timeout=30)
+        assert handle.resubmits == 0 and not r.exists(keys.record(handle.request_id))
+
+
+def test_a_handle_that_did_not_submit_cannot_resubmit(
     client: Client, r: redis.Redis, keys: Keys
 ) -> None:
-    handle = client.submit("hi")
-    r.delete(keys.record(handle.request_id))  # what a Redis restarted without AOF shows
-    with pytest.raises(RequestLost, match="gone from Redis"):
-        handle.result(timeout=30)
+    rid = client.submit("hi").request_id
+    other = client.handle(rid)
+    with pytest.raises(TimeoutError):
+        other.result(timeout=0.5)  # (it has seen the record)
+    _lose(r, keys, rid)
+    with pytest.raises(RequestLost):
+        other.result(timeout=30)
+    assert other.resubmits == 0
 
 
-def test_an_async_record_that_vanishes_ends_the_read_with_request_lost(
+def test_an_async_handle_submits_a_lost_request_again(
     settings: Settings, r: redis.Redis, keys: Keys
 ) -> None:
     async def main() -> None:
@@ -36,9 +102,10 @@ def test_an_async_record_that_vanishes_ends_the_read_with_request_lost(
         client = AsyncClient(conn, settings=settings, recheck_s=1.0)
         try:
             handle = await client.submit("hi")
-            r.delete(keys.record(handle.request_id))
-            with pytest.raises(RequestLost):
-                await handle.result(timeout=30)
+            _lose(r, keys, handle.request_id)
+            with pytest.raises(TimeoutError):
+                await handle.result(timeout=2.5)  # re-read, submitted again, waits for a worker
+            assert handle.resubmits == 1 and r.exists(keys.record(handle.request_id))
         finally:
             await client.aclose()
             await conn.aclose()

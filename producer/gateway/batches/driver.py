@@ -16,7 +16,9 @@ Order of writes, which is what makes a crash harmless:
    still without an entry an error line (``batch_cancelled`` / ``batch_expired``), then finalize.
 
 On start a driver re-submits every line below ``next_line`` without a ledger entry (what a
-runner that died had in flight). A line whose follow task ended on an error (Redis dropped the
+runner that died had in flight). A line's request that Redis lost while the driver follows it (a
+failover, a restart from an older snapshot) is submitted again by its handle, same id and body
+(``resubmit_lost``, on by default). A line whose follow task ended on an error (Redis dropped the
 connection under its record) is such a line too: the driver stops on that error, and its runner
 re-takes the batch (the lease is still its own) and re-attaches the line the same way.
 
@@ -287,7 +289,8 @@ class BatchDriver:
                 raise_if_cancelling(exc)
                 log.warning("batch %s line %d: %s; following it again", self.bid, i, exc)
                 await asyncio.sleep(0.5)
-                handle = self.cfg.client.handle(rid)
+                handle.close()  # the same handle reads on (and submits the line again if
+                # Redis lost it: Client(resubmit_lost), docs/redis-modes.md)
             except UnknownRequest as exc:  # its record expired before anyone followed it
                 line = L.error_line(self.bid, i, custom_id, "request_lost", str(exc))
                 await self._record(i, "err", line)
