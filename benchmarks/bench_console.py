@@ -15,7 +15,9 @@ after), and the CPU the gateway process and the redis-server used (per cent of o
 console's own cost, visible even where the request rate is bound by the worker; measured first
 on the idle fleet too, with no requests, where it is the console's alone); then, per
 figure, the median over the rounds of each round's open ÷ closed (its two phases are neighbours
-in time, the fair comparison on a machine whose load drifts).
+in time, the fair comparison on a machine whose load drifts), with the rounds' quartiles and
+range and how many rounds came out above 1: on a loaded host, whether the median can be told
+from 1 at all.
 
 Run::
 
@@ -240,23 +242,27 @@ def main() -> int:  # noqa: PLR0915 (the benchmark's scenario, read top to botto
             # each round's two phases are neighbours in time: their ratio is the fair figure on a
             # machine whose load drifts (the medians of each side are shown for scale)
             pairs = list(zip(rows["open"], rows["closed"], strict=True))
-            ratios = {
-                what: statistics.median(o[i] / c[i] for o, c in pairs)
-                for i, what in enumerate(("req/s", "step ms", "gateway CPU %", "redis CPU %"))
-            }
-            for i, what in enumerate(("req/s", "step ms", "gateway CPU %", "redis CPU %")):
+            whats = ("req/s", "step ms", "gateway CPU %", "redis CPU %")
+            per_round = {what: [o[i] / c[i] for o, c in pairs] for i, what in enumerate(whats)}
+            ratios = {what: statistics.median(r) for what, r in per_round.items()}
+            spread = {what: quartiles(r) for what, r in per_round.items()}
+            for i, what in enumerate(whats):
                 closed = statistics.median(x[i] for x in rows["closed"])
                 opened = statistics.median(x[i] for x in rows["open"])
+                q1, q3 = spread[what]
+                above = sum(r > 1 for r in per_round[what])
                 print(
                     f"{what:>14}: median closed {closed:.2f}, open {opened:.2f}; "
-                    f"open/closed, median of the rounds' pairs {ratios[what]:.3f}"
+                    f"open/closed, median of the rounds' pairs {ratios[what]:.3f} "
+                    f"(quartiles {q1:.3f}-{q3:.3f}, range {min(per_round[what]):.2f}-"
+                    f"{max(per_round[what]):.2f}; {above} of {len(pairs)} rounds above 1)"
                 )
             if args.record:  # its rows in benchmarks/RESULTS.md
                 gw_open = statistics.mean(x[0] for x in idle["open"])
                 gw_closed = statistics.mean(x[0] for x in idle["closed"])
                 figures = {
-                    "console-gateway-rate": f"{ratios['req/s']:.3f}",
-                    "console-step-time": f"{ratios['step ms']:.3f}",
+                    "console-gateway-rate": _with_spread(ratios["req/s"], spread["req/s"]),
+                    "console-step-time": _with_spread(ratios["step ms"], spread["step ms"]),
                     "console-gateway-cpu": f"{gw_open:.1f} % open, {gw_closed:.1f} % closed",
                 }
                 record_figures(figures, benchmarks=Path(__file__).parent)
@@ -268,6 +274,19 @@ def main() -> int:  # noqa: PLR0915 (the benchmark's scenario, read top to botto
                 except subprocess.TimeoutExpired:
                     proc.kill()
     return 0
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``values`` (the two ends of the middle half; with one
+    value, that value twice)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def _with_spread(median: float, spread: tuple[float, float]) -> str:
+    return f"{median:.3f} (rounds' quartiles {spread[0]:.2f}–{spread[1]:.2f})"
 
 
 def _ok(url: str) -> bool:

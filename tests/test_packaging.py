@@ -70,6 +70,8 @@ def test_wheel_installs_only_under_tokenfleet(wheel: Path) -> None:
         assert f"tokenfleet/shared/scripts/{lua}" in names
     for lua in ("api_key_admit.lua", "bucket.lua"):  # and the API keys' scripts
         assert f"tokenfleet/producer/gateway/auth/lua/{lua}" in names
+    for lua in ("pool_inspect.lua", "prelude.lua"):  # and a pool's (producers read pools too)
+        assert f"tokenfleet/shared/pool/lua/{lua}" in names
     # the tiny tokenizer's training text
     assert "tokenfleet/worker/devtools/data/tiny_corpus.txt" in names
     assert "tokenfleet/producer/py.typed" in names
