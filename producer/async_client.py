@@ -17,7 +17,7 @@ from tokenfleet.producer.async_io.driver import AsyncDriver
 from tokenfleet.producer.async_io.subscriber import AsyncSubscriber
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
-from tokenfleet.producer.core.fleet_status import fleet_status
+from tokenfleet.producer.core.fleet_status import fleet_status, tenant_stats
 from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.request import Prepared
 from tokenfleet.producer.core.subscriptions import (
@@ -178,6 +178,10 @@ class AsyncClient(ClientCore[AsyncHandle]):
     async def fleet_status(self) -> dict[str, Any]:
         """See ``Client.fleet_status``."""
         return await self._run(fleet_status(self))
+
+    async def tenant_stats(self) -> list[dict[str, Any]]:
+        """See ``Client.tenant_stats``."""
+        return await self._run(tenant_stats(self))
 
     async def queue_config(
         self, priority: str | Priority = "normal", model: str | None = None

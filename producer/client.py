@@ -14,7 +14,7 @@ import redis
 
 from tokenfleet.producer.core.client_core import ClientCore
 from tokenfleet.producer.core.effects import Mailbox
-from tokenfleet.producer.core.fleet_status import fleet_status
+from tokenfleet.producer.core.fleet_status import fleet_status, tenant_stats
 from tokenfleet.producer.core.models import ModelInfo
 from tokenfleet.producer.core.request import Prepared
 from tokenfleet.producer.core.subscriptions import (
@@ -215,6 +215,11 @@ class Client(ClientCore[Handle]):
         per status), routed streams, models, dead letters, KV pools. What ``tokenfleet status
         --json`` prints and the console shows (``core.fleet_status`` lists the fields)."""
         return self._run(fleet_status(self))
+
+    def tenant_stats(self) -> list[dict[str, Any]]:
+        """Per (model, tenant): weight, own bound, waiting, running, admitted, served tokens
+        and virtual time (docs/fairness.md; ``fleet_status()``'s ``tenants``)."""
+        return self._run(tenant_stats(self))
 
     def queue_config(
         self, priority: str | Priority = "normal", model: str | None = None

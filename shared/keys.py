@@ -13,6 +13,10 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:drained          hash: "M|L" -> requests started from that queue so far (its drain rate)
     P:tally            hash: "M|L|STATUS" -> ends so far, "M|L|STATUS|S" -> "MINUTE N" (tally.py)
     P:recent           list: the newest request ids, newest first (trimmed by the enqueue script)
+    P:tq:M:L:T         stream: tenant T's requests waiting to be admitted into P:q:M:L (fairness)
+    P:tact:M:L         sorted set: tenants with requests waiting in queue (M, L) -> virtual time
+    P:tbook:M          hash: per tenant of model M: virtual time, weight, own bound, served tokens
+    P:tenants          hash: tenant -> JSON settings (weight, max_waiting) (the fleet's)
     P:req:ID           hash: the request's durable record
     P:req:ID:tok       list: token events, element i is the event with index i
     P:ch:ID            pub/sub channel of the request's events
@@ -90,7 +94,7 @@ def check_request_id(request_id: str) -> str:
 
 
 def check_name(kind: str, name: str) -> str:
-    """Validate a worker or pool name (1-64 of ``[A-Za-z0-9._-]``)."""
+    """Validate a worker, pool or tenant name (1-64 of ``[A-Za-z0-9._-]``)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise InvalidRequest(
             f"{kind} name {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-'"
@@ -196,6 +200,30 @@ class Keys:
     def queue_member(model: str, priority: Priority) -> str:
         """The member naming a queue in :attr:`queues`."""
         return f"{model}|{priority.label}"
+
+    # -- tenants (docs/fairness.md; shared/scripts/tf_tenants.lua) ----------------------------
+    def tenant_queue(self, model: str, priority: Priority, tenant: str) -> str:
+        """Stream: tenant ``tenant``'s requests waiting to be admitted into queue (model,
+        priority); no consumer group (admission moves its head into :meth:`stream`). With
+        ``tenant`` "" the name's part before the tenant (what the scripts append it to)."""
+        return f"{self.root}:tq:{model}:{priority.label}:{tenant}"
+
+    def tenants_active(self, model: str, priority: Priority) -> str:
+        """Sorted set: the tenants with requests waiting in queue (model, priority) -> their
+        virtual time (the order of admission: least first)."""
+        return f"{self.root}:tact:{model}:{priority.label}"
+
+    def tenant_book(self, model: str) -> str:
+        """Hash: per tenant T of model's queues, ``vt|T`` (virtual time: tokens served /
+        weight), ``w|T`` (weight), ``max|T`` (own bound), ``served|T`` (prompt + output tokens
+        of its ended requests), ``admitted|T`` (requests admitted from its tenant queues)."""
+        return f"{self.root}:tbook:{model}"
+
+    @property
+    def tenants(self) -> str:
+        """Hash (the fleet's): tenant -> JSON settings (``weight``, ``max_waiting``) set by
+        ``tokenfleet tenants set``; copied into each model's :meth:`tenant_book`."""
+        return f"{self.fleet_root}:tenants"
 
     # -- one request's record, tokens and channel; the cancel set ----------------------------------
     def record(self, request_id: str) -> str:

@@ -23,6 +23,8 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
                     worker takes it)
     taken           another worker took it after it waited: "stolen_by:W" (from a routed
                     stream) or "overflow:W" (an overflow worker); absent: nobody
+    tenant          whose request it is, when it waited in a tenant queue (docs/fairness.md);
+                    absent: the default tenant, admitted to the shared stream directly
     waiting_on      the model, when the request was accepted while no live worker served it
                     (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)

@@ -25,6 +25,7 @@ COMMANDS = (
     "console",
     "batch",
     "keys",
+    "tenants",
     "status",
     "make-tiny-model",
     "bench",
@@ -34,6 +35,7 @@ COMMANDS = (
 ACTIONS = {
     "pool": ("create", "show"),
     "keys": ("create", "list", "revoke"),
+    "tenants": ("set", "list"),
     "batch": ("submit", "status", "cancel", "results", "list"),
 }
 

@@ -37,6 +37,7 @@ from tokenfleet.producer.commands import (
     queues,
     serve,
     submit,
+    tenants,
 )
 from tokenfleet.shared.errors import TokenfleetError
 from tokenfleet.worker.commands import models, status, worker
@@ -57,6 +58,7 @@ COMMANDS: tuple[Callable[[Any], None], ...] = (
     console.register,
     batch.register,
     keys.register,
+    tenants.register,
     status.register,
     make_tiny_model.register,
     bench.register,

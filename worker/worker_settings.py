@@ -170,6 +170,14 @@ class WorkerSettings:
         flag="--metrics-port",
         help="serve Prometheus metrics on 0.0.0.0:PORT/metrics; none: no endpoint",
     )
+    metrics_tenants: int = setting(
+        16,
+        env="TOKENFLEET_METRICS_TENANTS",
+        flag="--metrics-tenants",
+        help="tenants named in the per-tenant metrics' labels (the first seen); later ones are "
+        "counted as tenant 'other', so a metric has at most this many + 1 series per model",
+        see=("Fair shares between tenants", "fairness.md"),
+    )
     threads: int | None = setting(
         None,
         env="TOKENFLEET_THREADS",
@@ -294,6 +302,7 @@ class WorkerSettings:
         for name in ("kv_blocks", "kv_memory_bytes", "max_model_len", "threads"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        _check_at_least_0("metrics_tenants", self.metrics_tenants)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError(
                 f"{label(cls, 'metrics_port')} must be in 0..65535, got {self.metrics_port}"

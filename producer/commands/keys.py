@@ -49,6 +49,18 @@ def register(subparsers: Any) -> None:
         help="user: the OpenAI API only (default); viewer: also read the fleet console; "
         "admin: also cancel, requeue and discard there",
     )
+    c.add_argument(
+        "--tenant",
+        default="default",
+        help="whose requests the key's are: fair shares between tenants (docs/fairness.md)",
+    )
+    c.add_argument(
+        "--weight",
+        type=float,
+        default=None,
+        help="the tenant's share weight, recorded with each request (default: as stored by "
+        "tokenfleet tenants set, else 1)",
+    )
     c.add_argument("--json", action="store_true", help="print JSON (the key included)")
     add_redis_flags(c)
     c.set_defaults(func=create_func)
@@ -93,6 +105,8 @@ def create_func(args: argparse.Namespace) -> int:
             rpm=args.rpm,
             tpm=args.tpm,
             role=args.role,
+            tenant=args.tenant,
+            weight=args.weight,
         )
     finally:
         client.close()
@@ -102,7 +116,7 @@ def create_func(args: argparse.Namespace) -> int:
     print(
         f"created API key {key.name} (id {key.key_id}): priority ceiling "
         f"{key.priority_ceiling.label}, {_limit(key.rpm)} requests/min, "
-        f"{_limit(key.tpm)} tokens/min, role {key.role.value}\n\n"
+        f"{_limit(key.tpm)} tokens/min, role {key.role.value}, tenant {key.tenant}\n\n"
         f"    {presented}\n\n"
         "This is the only time it is shown (Redis keeps only its hash): store it now.\n"
         f"Send it with each request:  Authorization: Bearer {presented}\n"

@@ -477,9 +477,17 @@ class ClientCore(ABC, Generic[H]):
         models = sorted({model for model, _ in queues})
         names = yield Transaction(
             tuple(Command(SortedSetCommands.zrange, (keys.routers(m), 0, -1)) for m in models)
+            + tuple(
+                Command(SortedSetCommands.zrange, (keys.tenants_active(m, p), 0, -1))
+                for m, p in queues
+            )
         )
-        routers = {m: [as_str(w) or "" for w in ws] for m, ws in zip(models, names, strict=True)}
-        k, a = ops.stats_keys_args(keys, queues, routers, CONSUMER_GROUP)
+        routers = {m: [as_str(w) or "" for w in ws] for m, ws in zip(models, names, strict=False)}
+        active = {  # the tenants waiting in each queue (docs/fairness.md)
+            q: [as_str(t) or "" for t in ts]
+            for q, ts in zip(queues, names[len(models) :], strict=True)
+        }
+        k, a = ops.stats_keys_args(keys, queues, routers, CONSUMER_GROUP, active)
         reply = yield RunScript(QUEUE_STATS, k, a)
         return ops.stats_rows(queues, reply)
 

@@ -15,6 +15,8 @@ The snapshot (a dict of plain data; docs/workers.md shows the table form):
 * ``routed``: per (model, priority, routed worker), the waiting and running entries of that
   worker's routed stream (docs/routing.md); ``models``: ``Client.models()``;
   ``waiting_on_models``: models with waiting requests and no live worker;
+* ``tenants``: per (model, tenant) of the tenant books (docs/fairness.md): weight, own bound,
+  waiting in its tenant queues, running (from the heartbeats), admitted, served tokens;
 * ``dead_letters``: the dead-letter streams' lengths, summed; ``pools``: each shared KV pool as
   its read-only inspect script sees it (docs/kv_pools.md).
 
@@ -57,12 +59,17 @@ def fleet_status(views: ClientCore[Any]) -> Plan[dict[str, Any]]:
     lapsed: list[str] = []
     routed: list[dict[str, Any]] = []
     dead = 0
+    tenants: list[dict[str, Any]] = []
     for keys in (yield from views._lane_keys()):
         mine = [q for q in queues if not keys.laned or q["model"] == keys.lane]
         yield from _lane_workers(keys, now, workers, lapsed)
         yield from _lane_queues(keys, mine, now)
         routed += yield from _routed_rows(keys, mine, now)
         dead += yield Command(StreamCommands.xlen, (keys.dead_letter,))
+        tenants += yield from lane_tenants(keys, mine)
+    running = running_by_tenant(workers)
+    for row in tenants:
+        row["running"] = running.get((row["model"], row["tenant"]), 0)
     return {
         "prefix": views._keys.prefix,
         "at": now,
@@ -72,9 +79,26 @@ def fleet_status(views: ClientCore[Any]) -> Plan[dict[str, Any]]:
         "routed": routed,
         "models": models,
         "waiting_on_models": waiting_on_models(queues, models),
+        "tenants": tenants,
         "dead_letters": dead,
         "pools": (yield from _pools(views._keys.fleet)),
     }
+
+
+def tenant_stats(views: ClientCore[Any]) -> Plan[list[dict[str, Any]]]:
+    """Only the snapshot's ``tenants`` rows (``Client.tenant_stats()``; /v1/models' extension)."""
+    now = time.time()
+    queues = [q.to_dict() for q in (yield from views._queue_stats())]
+    workers: list[dict[str, Any]] = []
+    tenants: list[dict[str, Any]] = []
+    for keys in (yield from views._lane_keys()):
+        mine = [q for q in queues if not keys.laned or q["model"] == keys.lane]
+        yield from _lane_workers(keys, now, workers, [])
+        tenants += yield from lane_tenants(keys, mine)
+    running = running_by_tenant(workers)
+    for row in tenants:
+        row["running"] = running.get((row["model"], row["tenant"]), 0)
+    return tenants
 
 
 def worker_row(name: str, raw: dict[Any, Any], now: float) -> dict[str, Any]:
@@ -102,7 +126,78 @@ def worker_row(name: str, raw: dict[Any, Any], now: float) -> dict[str, Any]:
         "last_error": h.get("last_error") or "",
         "last_error_at": float(h.get("last_error_at") or 0) or None,
         "pool": h.get("pool_name") or "",
+        "tenants_running": _tenant_counts(h.get("tenants_running") or ""),
     }
+
+
+def _tenant_counts(text: str) -> dict[str, int]:
+    """A heartbeat's ``tenants_running`` ("T=N,T2=M") as a dict (bad pairs skipped)."""
+    out: dict[str, int] = {}
+    for pair in text.split(","):
+        name, _, n = pair.partition("=")
+        if name and n.isdigit():
+            out[name] = int(n)
+    return out
+
+
+def running_by_tenant(workers: list[dict[str, Any]]) -> dict[tuple[str, str], int]:
+    """(model, tenant) -> requests running, summed over the live workers' heartbeats."""
+    out: dict[tuple[str, str], int] = {}
+    for w in workers:
+        for tenant, n in w.get("tenants_running", {}).items():
+            key = (w["model"], tenant)
+            out[key] = out.get(key, 0) + n
+    return out
+
+
+def lane_tenants(keys: Keys, queues: list[dict[str, Any]]) -> Plan[list[dict[str, Any]]]:
+    """Per (model, tenant) of one lane: weight, own bound, waiting (in its tenant queues),
+    admitted, served tokens and virtual time (docs/fairness.md); "running" is added from the
+    heartbeats. Bounded by the tenants in the books: one HGETALL per model, one ZRANGE per
+    queue and one XLEN per active tenant's queue."""
+    models = sorted({q["model"] for q in queues})
+    levels = [(q["model"], Priority.parse(q["priority"])) for q in queues]
+    reads = yield Transaction(
+        tuple(Command(HashCommands.hgetall, (keys.tenant_book(m),)) for m in models)
+        + tuple(
+            Command(SortedSetCommands.zrange, (keys.tenants_active(m, p), 0, -1)) for m, p in levels
+        )
+    )
+    books = dict(zip(models, reads[: len(models)], strict=True))
+    active = [
+        (m, p, [as_str(t) or "" for t in ts])
+        for (m, p), ts in zip(levels, reads[len(models) :], strict=True)
+    ]
+    lengths: list[int] = []
+    queued = [(m, p, t) for m, p, ts in active for t in ts]
+    if queued:
+        lengths = yield Transaction(
+            tuple(Command(StreamCommands.xlen, (keys.tenant_queue(m, p, t),)) for m, p, t in queued)
+        )
+    waiting: dict[tuple[str, str], int] = {}
+    for (m, _, t), n in zip(queued, lengths, strict=True):
+        waiting[(m, t)] = waiting.get((m, t), 0) + int(n)
+    rows = []
+    for m in models:
+        raw = {as_str(k) or "": as_str(v) or "" for k, v in (books[m] or {}).items()}
+        names = sorted(
+            {k.partition("|")[2] for k in raw if "|" in k} | {t for mm, t in waiting if mm == m}
+        )
+        for t in names:
+            bound = raw.get(f"max|{t}")
+            rows.append(
+                {
+                    "model": m,
+                    "tenant": t,
+                    "weight": float(raw.get(f"w|{t}") or 1),
+                    "max_waiting": int(bound) if bound else None,
+                    "waiting": waiting.get((m, t), 0),
+                    "admitted": int(raw.get(f"admitted|{t}") or 0),
+                    "served_tokens": int(raw.get(f"served|{t}") or 0),
+                    "virtual_time": float(raw.get(f"vt|{t}") or 0),
+                }
+            )
+    return rows
 
 
 def _lane_workers(

@@ -109,16 +109,20 @@ def stats_keys_args(
     queues: Sequence[tuple[str, Priority]],
     routers: Mapping[str, Sequence[str]],
     group: str,
+    tenants: Mapping[tuple[str, Priority], Sequence[str]] | None = None,
 ) -> tuple[list[str], list[str | int]]:
     """KEYS and ARGV for QUEUE_STATS: stream and config hash of each queue, then the routed
-    streams of its model's ``routers`` (every worker that took routed work, live or not)."""
+    streams of its model's ``routers`` (every worker that took routed work, live or not), then
+    the tenant queues of its active ``tenants`` (docs/fairness.md: their requests wait too)."""
     out: list[str] = []
     args: list[str | int] = [group]
     for model, priority in queues:
         out += [keys.stream(model, priority), keys.queue_config(model, priority)]
         names = routers.get(model, ())
         out += [keys.routed(model, priority, w) for w in names]
-        args.append(len(names))
+        active = (tenants or {}).get((model, priority), ())
+        out += [keys.tenant_queue(model, priority, t) for t in active]
+        args.append(f"{len(names)} {len(active)}" if active else len(names))
     return out, args
 
 

@@ -23,6 +23,12 @@ from tokenfleet.shared.prefix_chain import session_of
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import GenerationRequest, SamplingParams, check_text
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.tenants import (
+    CHARS_PER_TOKEN,
+    DEFAULT_TENANT,
+    check_tenant,
+    prompt_tokens,
+)
 
 # The keyword arguments submit() accepts besides the prompt (submit_many takes the same keys).
 SUBMIT_FIELDS = frozenset(
@@ -54,6 +60,7 @@ SUBMIT_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "tenant",  # who submits it (docs/fairness.md): not part of the request's payload
     }
 )
 
@@ -75,6 +82,9 @@ class Prepared:
     # routing: what the chain is computed from once the model's RouteTokenizer is known
     # (prompt, messages, prompt_token_ids); None: nothing to route by prefix
     route_input: tuple[Any, Any, Any] | None = None
+    tenant: str = DEFAULT_TENANT  # fair admission (docs/fairness.md)
+    weight: float | None = None  # the tenant's weight to record (a gateway key's); None: kept
+    prompt_tokens: int = 0  # what admission charges (tenants.prompt_tokens)
 
     @classmethod
     def of(cls, request: GenerationRequest, max_bytes: int, *, chosen_id: bool) -> Prepared:
@@ -134,14 +144,21 @@ def prepare(settings: Settings, *, now: float, **params: Any) -> Prepared:
     if not params.keys() <= SUBMIT_FIELDS:
         unknown = ", ".join(sorted(set(params) - SUBMIT_FIELDS))
         raise InvalidRequest(f"unknown request parameter(s): {unknown}")
+    tenant = params.pop("tenant", None)
     request = build(settings, now=now, **params)
-    return prepared_for(settings, request, chosen_id=params.get("request_id") is not None)
+    prepared = prepared_for(settings, request, chosen_id=params.get("request_id") is not None)
+    if tenant is not None:
+        prepared.tenant = check_tenant(tenant)
+    return prepared
 
 
 def prepared_for(settings: Settings, request: GenerationRequest, *, chosen_id: bool) -> Prepared:
     """``request`` encoded for the enqueue script, with what routing needs (its session key;
     what its prefix chain is computed from): a submit's, or a dead letter's being requeued."""
     prepared = Prepared.of(request, settings.max_payload_bytes, chosen_id=chosen_id)
+    prepared.prompt_tokens = prompt_tokens(
+        request.prompt, request.messages, request.prompt_token_ids
+    )
     if settings.routing != "off":
         prepared.session = session_of(request.metadata)
     if settings.routing == "prefix":  # the chain needs the model's tokenizer: the client adds it
@@ -286,10 +303,12 @@ class _Template:
     encoded by concatenation; the bytes equal ``GenerationRequest.encode()``'s (tests check it).
     """
 
-    __slots__ = ("parts", "request")
+    __slots__ = ("parts", "request", "tenant")
 
     def __init__(self, settings: Settings, params: Mapping[str, Any], now: float) -> None:
-        shared = {k: v for k, v in params.items() if k not in ("prompt", "request_id")}
+        shared = {k: v for k, v in params.items() if k not in ("prompt", "request_id", "tenant")}
+        tenant = params.get("tenant")
+        self.tenant = DEFAULT_TENANT if tenant is None else check_tenant(tenant)
         self.request = build(settings, now=now, prompt=_PROMPT_MARK, request_id=_ID_MARK, **shared)
         encoded = orjson.dumps(self.request.to_dict())
         head, _, rest = encoded.partition(orjson.dumps(_ID_MARK))
@@ -315,7 +334,10 @@ class _Template:
                 f"request is {len(payload)} bytes encoded; the limit is {max_bytes} bytes"
             )
         r = self.request
-        return Prepared(request_id, r.model, r.priority, r.deadline, payload, chosen_id)
+        prepared = Prepared(request_id, r.model, r.priority, r.deadline, payload, chosen_id)
+        prepared.tenant = self.tenant
+        prepared.prompt_tokens = max(1, -(-len(prompt) // CHARS_PER_TOKEN))  # tenants' count
+        return prepared
 
 
 def prepare_many(

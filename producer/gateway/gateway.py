@@ -36,6 +36,7 @@ from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +225,7 @@ class Gateway:
                 priority=priority,
                 request_id=rid,
                 timeout=self.settings.submit_wait_s,
+                tenant=caller.key.tenant if caller.key is not None else DEFAULT_TENANT,
                 **sub.params,
             )
         except Overloaded as exc:

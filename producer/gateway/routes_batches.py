@@ -18,6 +18,7 @@ from tokenfleet.producer.gateway.batches.objects import NotFound
 from tokenfleet.producer.gateway.gateway import Caller, Gateway
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
 from tokenfleet.shared.record import as_str
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 router = APIRouter()
 
@@ -92,7 +93,11 @@ async def create_batch(request: Request, body: BatchBody, caller: CallerDep) -> 
     gw = gateway_of(request)
     await _own(gw, caller, "file", body.input_file_id)
     batch = await gw.batches.create(
-        body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        body.input_file_id,
+        body.endpoint,
+        body.completion_window,
+        body.metadata,
+        tenant=caller.key.tenant if caller.key is not None else DEFAULT_TENANT,
     )
     await _claim(gw, caller, batch.id)
     if batch.output_file_id:

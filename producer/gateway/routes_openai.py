@@ -188,13 +188,14 @@ async def list_models(request: Request, caller: CallerDep) -> dict[str, Any]:
     gw = gateway_of(request)
     models = await gw.refresh_models()
     queues = await gw.client.queue_stats()
+    tenants = await gw.client.tenant_stats()
     data = [
         {
             "id": info.name,
             "object": "model",
             "created": 0,
             "owned_by": "tokenfleet",
-            "tokenfleet": _model_extension(info, queues),
+            "tokenfleet": _model_extension(info, queues, tenants),
         }
         for info in sorted(models.values(), key=lambda m: m.name)
         if info.served
@@ -202,11 +203,24 @@ async def list_models(request: Request, caller: CallerDep) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def _model_extension(info: ModelInfo, queues: list[QueueStats]) -> dict[str, Any]:
+def _model_extension(
+    info: ModelInfo, queues: list[QueueStats], tenants: list[dict[str, Any]]
+) -> dict[str, Any]:
     """``/v1/models``' ``tokenfleet`` object of one model: every priority level is named (a
-    queue never used counts 0 waiting, 0 running)."""
+    queue never used counts 0 waiting, 0 running); ``tenants``: per tenant of its book, waiting
+    (in its tenant queues), running and served tokens (docs/fairness.md)."""
     depth = {p.label: {"waiting": 0, "running": 0} for p in Priority}
     for q in queues:
         if q.model == info.name:
             depth[q.priority] = {"waiting": q.waiting, "running": q.running}
-    return {"workers": list(info.workers), "declared": info.declared, "queues": depth}
+    mine = {
+        t["tenant"]: {k: t[k] for k in ("waiting", "running", "served_tokens")}
+        for t in tenants
+        if t["model"] == info.name
+    }
+    return {
+        "workers": list(info.workers),
+        "declared": info.declared,
+        "queues": depth,
+        "tenants": mine,
+    }

@@ -6,10 +6,12 @@
 -- KEYS[8] = recent requests list (Keys.recent): each new request's id is pushed at its head,
 --   and the list trimmed to ARGV[26] ids (no dead-letter key: an eviction is never an error, and
 --   a producer's ACL user may not write the dead-letter stream)
--- KEYS[9 .. 8+R] = routing keys (R = ARGV[23]; none when 0): KEYS[9] = the model's routers
---   (sorted set), KEYS[10] = its load hash, then per candidate worker c = 1 .. C: its prefix
+-- KEYS[9] = the queue's active tenants (sorted set, Keys.tenants_active)
+-- KEYS[10] = the model's tenant book (hash, Keys.tenant_book; tf_tenants.lua)
+-- KEYS[11 .. 10+R] = routing keys (R = ARGV[23]; none when 0): KEYS[11] = the model's routers
+--   (sorted set), KEYS[12] = its load hash, then per candidate worker c = 1 .. C: its prefix
 --   set, its routed stream of this queue; then the session keys the requests name (tf_route.lua)
--- KEYS[9+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
+-- KEYS[11+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
 -- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
 -- ARGV[3] = consumer group name          ARGV[4] = queue member name (model|label)
 -- ARGV[5] = model                        ARGV[6] = priority label
@@ -26,12 +28,26 @@
 -- ARGV[22] = publish command for channels (PUBLISH, or SPUBLISH on a Redis Cluster)
 -- ARGV[23] = R, the number of routing keys   ARGV[24] = C, the number of candidate workers
 -- ARGV[25] = session TTL (seconds)            ARGV[26] = how many ids the recent list keeps
--- ARGV[27 .. 26+C] = the candidates' names
--- ARGV[27+C ..] = sextuples: request id, encoded request, deadline (epoch seconds) or "",
+-- ARGV[27] = a tenant queue's name before its tenant (Keys.tenant_queue with an empty tenant)
+-- ARGV[28] = "1": every request goes through its tenant queue (the fleet's fairness "always");
+--            "" (the default): a default-tenant request goes to the shared stream while no
+--            other tenant waits in this queue (no cost for a fleet of one tenant)
+-- ARGV[29 .. 28+C] = the candidates' names
+-- ARGV[29+C ..] = nonuples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
 --              (a generated id: no other request can carry it, so nothing to compare), the
 --              KEYS index of its session key or "" (none), its prefix chain (links separated
---              by spaces) or ""
+--              by spaces) or "", its tenant, the tenant's weight or "" (kept as it is), its
+--              prompt tokens (as the producer counts them: what admission charges)
+-- Tenants (docs/fairness.md, tf_tenants.lua): a request of the default tenant goes to the
+-- shared stream as before while the queue's active-tenant set is empty; otherwise it waits in
+-- its tenant's queue (no routing: where it runs is decided when it is admitted) and is admitted
+-- into the shared stream by tt_admit, here (one request when the shared stream has nothing
+-- undelivered, so that a worker blocked on it wakes up) and in worker_pull.lua. When the first
+-- other tenant becomes active, the default tenant's undelivered shared entries (not handed-back
+-- ones) move to its tenant queue, so a backlog from before does not wait ahead of everyone.
+-- A tenant's own bound ("max|T" in the book) refuses (overloaded) past that many waiting in its
+-- tenant queue; the queue's bound counts every tenant queue's entries too.
 -- Routing: each new request goes to a candidate's routed stream (tf_route.lua: its session's
 -- worker, else the longest prefix match, else, with a session, the least loaded; the record
 -- gets "routed_to" and "route") or to the shared stream KEYS[1] (route "shared"). The bound
@@ -61,11 +77,13 @@
 -- scripts") says why and what a Redis Cluster deployment needs instead.
 -- @include tf_finish.lua
 -- @include tf_route.lua
+-- @include tf_tenants.lua
 
 local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
-local F = 8  -- the fixed keys before the routing keys
-local J0 = 27 + C  -- the first request's ARGV
-if #KEYS ~= F + R + (#ARGV - J0 + 1) / 6 then
+local F = 10  -- the fixed keys before the routing keys
+local J0 = 29 + C  -- the first request's ARGV
+local W = 9  -- ARGVs per request
+if #KEYS ~= F + R + (#ARGV - J0 + 1) / W then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
 end
 local stream, group, now, ttl = KEYS[1], ARGV[3], ARGV[1], ARGV[2]
@@ -84,7 +102,7 @@ end
 
 local function end_waiting(from, sid, rid, status, template, message)
   if not rid or not string.find(rid, '^[A-Za-z0-9][A-Za-z0-9%._%-]*$') then
-    redis.call('XDEL', from, sid)
+    if sid ~= '' then redis.call('XDEL', from, sid) end
     return
   end
   local victim_record, victim_tokens, victim_channel = victim_keys(rid)
@@ -145,7 +163,7 @@ end
 if unserved then  -- nothing is written: existing ids still answer as they would
   local refused = {'ok'}
   local k = F + R
-  for j = J0, #ARGV, 6 do
+  for j = J0, #ARGV, W do
     k = k + 1
     local code, value = 'unserved', unserved
     if bad_id(ARGV[j]) then
@@ -189,14 +207,42 @@ local found = group_state(stream)
 if not found then
   redis.call('XGROUP', 'CREATE', stream, group, '0', 'MKSTREAM')
 end
-local router = new_router(F + 1, {unpack(ARGV, 27, 26 + C)}, tonumber(now), ARGV[25],
+local router = new_router(F + 1, {unpack(ARGV, 29, 28 + C)}, tonumber(now), ARGV[25],
                           undelivered, ARGV[6])
 local waiting = undelivered(stream) + router.waiting()
 local reclaimed = false
 
--- the queue's streams whose waiting entries count: KEYS indices (shared, then routed)
-local counted = {1}
-for c = 1, C do counted[#counted + 1] = F + 2 + 2 * c end
+-- the queue's streams whose waiting entries count, as {name, grouped}: the shared and routed
+-- streams (waiting = undelivered to the group) and the active tenants' queues (no group: every
+-- entry waits)
+local counted = {{stream, true}}
+for c = 1, C do counted[#counted + 1] = {KEYS[F + 2 + 2 * c], true} end
+local active, book, tq = KEYS[9], KEYS[10], ARGV[27]
+local tenanted = {}  -- tenant -> true once its queue is in `counted`
+local function count_tenant(t)
+  if not tenanted[t] then
+    tenanted[t] = true
+    local tenant_queue = tq .. t
+    counted[#counted + 1] = {tenant_queue, false}
+    return redis.call('XLEN', tenant_queue)
+  end
+  return 0
+end
+local fair = ARGV[28] == '1' or redis.call('ZCARD', active) > 0
+if fair then
+  for _, t in ipairs(redis.call('ZRANGE', active, 0, -1)) do waiting = waiting + count_tenant(t) end
+end
+
+-- the first waiting entry of a counted stream (or nil), and the entries after it, up to `n`
+local function waiting_head(c, n)
+  local counted_stream = c[1]
+  if c[2] then
+    local ok, _, last = group_state(counted_stream)
+    if not ok then return {} end
+    return redis.call('XRANGE', counted_stream, '(' .. last, '+', 'COUNT', n)
+  end
+  return redis.call('XRANGE', counted_stream, '-', '+', 'COUNT', n)
+end
 
 local function id_less(a, b)
   local am, as = string.match(a, '^(%d+)-(%d+)$')
@@ -205,17 +251,52 @@ local function id_less(a, b)
   return am < bm or (am == bm and tonumber(as) < tonumber(bs))
 end
 
--- the oldest waiting entry over the counted streams: KEYS index and entry, or nil
+-- the oldest waiting entry over the counted streams: its counted stream and entry, or nil (an
+-- entry admitted from a tenant queue is as old as its id there, field o)
 local function oldest_waiting()
-  local at, victim = nil, nil
-  for _, i in ipairs(counted) do
-    local ok, _, last = group_state(KEYS[i])
-    if ok then
-      local e = redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT', 1)[1]
-      if e and (not victim or id_less(e[1], victim[1])) then at, victim = i, e end
-    end
+  local at, victim, age = nil, nil, nil
+  for _, c in ipairs(counted) do
+    local e = waiting_head(c, 1)[1]
+    local since = e and (field(e, 'o') or e[1])
+    if e and (not victim or id_less(since, age)) then at, victim, age = c, e, since end
   end
   return at, victim
+end
+
+-- end a waiting entry of counted stream c (a tenant queue's entry is deleted here: it has no
+-- group for tf_finish to ack in)
+local function end_counted(c, e, status, template, message)
+  local counted_stream = c[1]
+  if c[2] then
+    end_waiting(counted_stream, e[1], field(e, 'id'), status, template, message)
+  else
+    redis.call('XDEL', counted_stream, e[1])
+    end_waiting(counted_stream, '', field(e, 'id'), status, template, message)
+  end
+end
+
+-- The first other tenant to wait: the default tenant's undelivered shared entries move to its
+-- tenant queue (handed-back ones stay: they resume), so they do not all run before it.
+local function start_fairness()
+  fair = true
+  local ok, _, last = group_state(stream)
+  if not ok then return end
+  local moved = 0
+  for _, e in ipairs(redis.call('XRANGE', stream, '(' .. last, '+')) do
+    local rid = field(e, 'id')
+    if rid and not field(e, 'h') and not field(e, 't') then
+      local tenant_queue, moved_record = tq .. 'default', ARGV[9] .. rid .. ARGV[10]
+      local sid = redis.call('XADD', tenant_queue, '*', 'id', rid, 'd', field(e, 'd') or '',
+                             'dl', field(e, 'dl') or '', 'n', field(e, 'n') or '0')
+      redis.call('XDEL', stream, e[1])
+      redis.call('HSET', moved_record, 'stream_id', sid, 'tenant', 'default')
+      moved = moved + 1
+    end
+  end
+  if moved > 0 then
+    waiting = waiting + count_tenant('default')
+    tt_activate(active, book, 'default')
+  end
 end
 
 -- A new record's fields, one table for the call: stream id (fields[2]) and the optional
@@ -250,8 +331,9 @@ local function answer(i, code, value)  -- a request that was not enqueued anew
   out[#out + 1] = value
 end
 local k = F + R
-for j = J0, #ARGV, 6 do
+for j = J0, #ARGV, W do
   local rid, payload, deadline, fp = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
+  local tenant, weight, prompt = ARGV[j + 6], ARGV[j + 7], ARGV[j + 8]
   k = k + 1
   local rec = KEYS[k]
   if #rid > 128 or not string.find(rid, ID_PATTERN) then  -- bad_id(rid), without the call
@@ -259,46 +341,60 @@ for j = J0, #ARGV, 6 do
   elseif (any_exist or created[rid]) and redis.call('EXISTS', rec) == 1 then
     answer(k - F - R, existing(rec, rid, fp))
   else
-    if waiting >= max_waiting and not reclaimed then
+    local own = tenant ~= 'default' or fair  -- waits in its tenant's queue
+    if own and not fair then start_fairness() end
+    local own_full = nil
+    if own then
+      if weight ~= '' then redis.call('HSET', book, 'w|' .. tenant, weight) end
+      waiting = waiting + count_tenant(tenant)
+      local bound = tonumber(redis.call('HGET', book, 'max|' .. tenant) or '')
+      local tenant_queue = tq .. tenant
+      if bound and redis.call('XLEN', tenant_queue) >= bound then
+        own_full = 'tenant ' .. tenant .. ' has ' .. bound .. ' waiting in queue ' .. ARGV[4]
+          .. ' (its own bound)'
+      end
+    end
+    if waiting >= max_waiting and not reclaimed and not own_full then
       reclaimed = true
-      for _, i in ipairs(counted) do
-        local ok, _, last = group_state(KEYS[i])
-        local head = ok and redis.call('XRANGE', KEYS[i], '(' .. last, '+', 'COUNT',
-                                       tonumber(ARGV[18])) or {}
-        for _, e in ipairs(head) do
+      for _, c in ipairs(counted) do
+        for _, e in ipairs(waiting_head(c, tonumber(ARGV[18]))) do
           local dl = field(e, 'dl')
           if dl and dl ~= '' and tonumber(dl) <= tonumber(now) then
-            end_waiting(KEYS[i], e[1], field(e, 'id'), 'expired', ARGV[16], ARGV[20])
+            end_counted(c, e, 'expired', ARGV[16], ARGV[20])
             waiting = waiting - 1
           end
         end
       end
     end
-    local admit = waiting < max_waiting
-    if not admit and policy == 'drop_oldest' and ARGV[21] == 'submit' then
+    local admit = waiting < max_waiting and not own_full
+    if not admit and not own_full and policy == 'drop_oldest' and ARGV[21] == 'submit' then
       local at, victim = oldest_waiting()
       if victim then
-        end_waiting(KEYS[at], victim[1], field(victim, 'id'), 'dropped', ARGV[15], ARGV[19])
+        end_counted(at, victim, 'dropped', ARGV[15], ARGV[19])
         waiting = waiting - 1
         admit = true
       end
     end
     local chosen, route = nil, nil
-    if admit and R > 0 then
+    if admit and R > 0 and not own then
       local chain = {}
       for link in string.gmatch(ARGV[j + 5], '%S+') do chain[#chain + 1] = link end
       chosen, route = router.pick(tonumber(ARGV[j + 4]), chain)
     end
-    local target = 1
+    local target = stream
     if chosen then
-      target = F + 2 + 2 * chosen
-      if not group_state(KEYS[target]) then
-        redis.call('XGROUP', 'CREATE', KEYS[target], group, '0', 'MKSTREAM')
+      target = KEYS[F + 2 + 2 * chosen]
+      if not group_state(target) then
+        redis.call('XGROUP', 'CREATE', target, group, '0', 'MKSTREAM')
       end
       router.added(chosen)
+    elseif own then
+      local tenant_queue = tq .. tenant
+      target = tenant_queue
     end
     if admit then
-      local sid = redis.call('XADD', KEYS[target], '*', 'id', rid, 'd', payload, 'dl', deadline)
+      local sid = redis.call('XADD', target, '*', 'id', rid, 'd', payload, 'dl', deadline,
+                             'n', prompt)
       -- The payload lives in the stream entry only (the worker reads it there; a claim or a
       -- handback keeps the entry's fields), so the record does not store a second copy.
       fields[2] = sid
@@ -317,14 +413,22 @@ for j = J0, #ARGV, 6 do
         fields[n + 1] = 'route'
         fields[n + 2] = route
         fields[n + 3] = 'routed_to'
-        fields[n + 4] = ARGV[26 + chosen]
+        fields[n + 4] = ARGV[28 + chosen]
         n = n + 4
+      end
+      if own then  -- (no "tenant" field: "default", the reader's default)
+        fields[n + 1] = 'tenant'
+        fields[n + 2] = tenant
+        n = n + 2
       end
       redis.call('HSET', rec, unpack(fields, 1, n))
       redis.call('PEXPIREAT', rec, expire_at)
+      if own then tt_activate(active, book, tenant) end
       created[rid] = true
       fresh[#fresh + 1] = rid
       waiting = waiting + 1
+    elseif own_full then
+      answer(k - F - R, 'overloaded', own_full)
     elseif policy == 'block' and ARGV[21] == 'submit' then
       answer(k - F - R, 'full', 'queue ' .. ARGV[4] .. ' is full (' .. max_waiting .. ' waiting)')
     else
@@ -332,6 +436,11 @@ for j = J0, #ARGV, 6 do
         .. ' waiting, policy ' .. policy .. ')')
     end
   end
+end
+-- a worker blocked on the shared stream wakes for work waiting in tenant queues: one is
+-- admitted whenever nothing there is undelivered (worker_pull.lua admits the rest)
+if fair and undelivered(stream) == 0 then
+  tt_admit(1, stream, active, book, tq, ARGV[9], ARGV[10])
 end
 redis.call('SADD', KEYS[3], ARGV[4])
 if #fresh > 0 then

@@ -41,6 +41,7 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fingerprint
 from tokenfleet.shared.scripts.registry import load_lua
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
 # evicts or refuses (bounded work per call; docs/client.md, "Deadlines").
@@ -72,6 +73,12 @@ class EnqueueItemLike(Protocol):
     def session(self) -> str | None: ...
     @property
     def chain(self) -> tuple[str, ...]: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def weight(self) -> float | None: ...
+    @property
+    def prompt_tokens(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +92,9 @@ class EnqueueItem:
     chosen_id: bool = True
     session: str | None = None  # the session key (``prefix_chain.session_of``), or None
     chain: tuple[str, ...] = ()  # the prefix chain (``prefix_chain.prefix_chain``)
+    tenant: str = DEFAULT_TENANT  # who submitted it (docs/fairness.md)
+    weight: float | None = None  # the tenant's weight to record with it; None: as it is
+    prompt_tokens: int = 0  # its prompt's tokens as the producer counts them (admission's charge)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +122,11 @@ def enqueue_keys_args(
     ttl_s: int,
     try_only: bool = False,
     route: RouteTargets | None = None,
+    always_fair: bool = False,
 ) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
-    keys, the fleet's two model keys, the lane's tally and recent list, the routing keys, then
+    keys, the fleet's two model keys, the lane's tally and recent list, the queue's active
+    tenants and the model's tenant book, the routing keys, then
     one record key per item, in the items' order.
 
     ``try_only`` refuses when the queue is full whatever its policy (``try_submit``). A request
@@ -122,6 +134,8 @@ def enqueue_keys_args(
     generated id carries "" (no other request can hold that id, so there is nothing to compare,
     and bulk work is spared the hash: about a microsecond per request, measured). ``route``
     None: routing off (everything to the shared stream, only its waiting entries counted).
+    Each item's tenant, weight and prompt tokens go with it (docs/fairness.md); ``always_fair``
+    sends every request through its tenant queue, the default tenant's too.
     """
     member = keys.queue_member(model, priority)
     dropped = TerminalEvent(
@@ -160,6 +174,8 @@ def enqueue_keys_args(
         keys.declared,
         keys.tally,
         keys.recent,
+        keys.tenants_active(model, priority),
+        keys.tenant_book(model),
     ]
     workers = route.workers if route is not None else ()
     route_keys: list[str] = []
@@ -181,6 +197,8 @@ def enqueue_keys_args(
         str(len(workers)),
         str(route.session_ttl_s if route is not None else 0),
         str(RECENT_REQUESTS),
+        keys.tenant_queue(model, priority, ""),
+        "1" if always_fair else "",
         *workers,
     ]
     record = keys.record
@@ -196,5 +214,8 @@ def enqueue_keys_args(
             request_fingerprint(item.payload) if item.chosen_id else "",
             session,
             " ".join(item.chain) if route is not None else "",
+            item.tenant,
+            "" if item.weight is None else repr(float(item.weight)),
+            str(item.prompt_tokens),
         ]
     return key_list, args

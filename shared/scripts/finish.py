@@ -43,6 +43,8 @@ def finish_keys_args(
     extra_fields: Mapping[str, str] | None = None,
     owner: str = "",
     stream: str | None = None,
+    tenant: str | None = None,
+    prompt_tokens: int = 0,
 ) -> tuple[list[str], list[str]]:
     """KEYS and ARGV for :data:`FINISH`, so every caller builds them the same way.
 
@@ -52,7 +54,10 @@ def finish_keys_args(
     ``stream`` is the stream its entry is in (default: the shared stream of (model, priority));
     an entry read from a worker's routed stream is acked and deleted there. The end is counted
     in the queue's tally (``shared.tally``); an ``error`` end copies the entry to the
-    dead-letter stream (``shared.dead_letters``).
+    dead-letter stream (``shared.dead_letters``). ``tenant`` (a worker ending a request it
+    ran; "" for one that was not admitted through a tenant queue) counts its tokens served,
+    ``prompt_tokens`` and the event's ``num_tokens``, and charges the output to a tenant's
+    virtual time (docs/fairness.md); None (the default) counts nothing.
     """
     rid = event.request_id
     fields: dict[str, str] = {
@@ -76,6 +81,9 @@ def finish_keys_args(
         str(dead_letters.PAYLOAD_BYTES),
         str(dead_letters.MAXLEN),
     ]
+    if tenant is not None:
+        output = max(0, event.num_tokens)
+        args += [tenant, str(prompt_tokens + output), str(output)]
     for name, value in fields.items():
         args += [name, value]
     key_list = [
@@ -87,4 +95,6 @@ def finish_keys_args(
         keys.tally,
         keys.dead_letter,
     ]
+    if tenant is not None:
+        key_list += [keys.tenant_book(model), keys.tenants_active(model, priority)]
     return key_list, args

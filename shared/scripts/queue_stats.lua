@@ -1,7 +1,8 @@
 -- KEYS, per queue i = 1..n in order: its stream, its config hash, then its r_i routed streams
---      (P:rq:M:L:W of the model's routed workers, docs/routing.md)
+--      (P:rq:M:L:W of the model's routed workers, docs/routing.md), then its t_i tenant queues
+--      (P:tq:M:L:T of its active tenants, docs/fairness.md: no group, every entry waits)
 -- ARGV[1] = consumer group name
--- ARGV[1+i] = r_i, routed streams of queue i (absent: 0)
+-- ARGV[1+i] = "r_i" or "r_i t_i": routed streams and tenant queues of queue i (absent: 0)
 -- Returns {"ok", len1, pending1, max_waiting1, policy1, oldest1, len2, ...}: len and pending
 -- summed over the queue's stream and its routed streams; max_waiting and policy are "" when the
 -- queue has no stored config (the caller applies the defaults); oldest is the id of the oldest
@@ -44,7 +45,8 @@ while k <= #KEYS do
   local length = redis.call('XLEN', KEYS[k])
   local pending, oldest = count(KEYS[k], '')
   local cfg = redis.call('HMGET', KEYS[k + 1], 'max_waiting', 'policy')
-  local routed = tonumber(ARGV[1 + i] or '0') or 0
+  local r_s, t_s = string.match(ARGV[1 + i] or '0', '^(%d+) ?(%d*)$')
+  local routed = (tonumber(r_s or '0') or 0) + (tonumber(t_s or '') or 0)
   for r = 1, routed do
     local more
     length = length + redis.call('XLEN', KEYS[k + 1 + r])

@@ -1,10 +1,17 @@
 -- KEYS[1..n] = queue streams, in the order to read them (most urgent first, starved ones before;
 --              a level's worker-routed stream just before its shared one)
+-- KEYS[n+j] = the active-tenant set (Keys.tenants_active) of the j-th shared stream that has a
+--              tenant-queue name in ARGV (below); KEYS[#KEYS] = the model's tenant book
+--              (Keys.tenant_book), when there is any such stream
 -- ARGV[1] = consumer group name          ARGV[2] = consumer (the worker's name)
 -- ARGV[3] = budget: entries to read at most, over all streams
--- ARGV[3+i] = entries to read at most from KEYS[i] (optional; absent or negative: no own cap)
--- ARGV[3+n+i] = level of KEYS[i] (optional): streams of one level share the cap given for the
---              first of them (what one read takes from the level, whichever stream it is in)
+-- ARGV[4] = n, the number of streams
+-- ARGV[4+i] = entries to read at most from KEYS[i] (negative: no own cap)
+-- ARGV[4+n+i] = level of KEYS[i]: streams of one level share the cap given for the first of
+--              them (what one read takes from the level, whichever stream it is in)
+-- ARGV[5+2n], ARGV[6+2n] = a request record's name before and after the request id (optional)
+-- ARGV[6+2n+i] = for a shared stream KEYS[i], its tenant queues' name before the tenant
+--              (Keys.tenant_queue); "" or absent for a routed stream (optional)
 -- Returns {"ok", levels_read, groups_lost, reply...}: one XREADGROUP reply ({stream, entries})
 -- per stream that had new entries; levels_read counts the streams read (empty or not) before
 -- the budget ran out; groups_lost is 1 if a stream or its group was missing (deleted, e.g. by
@@ -14,23 +21,64 @@
 -- A node that refuses writes now (NOREPLICAS: min-replicas-to-write; READONLY: a replica)
 -- refuses the first XREADGROUP already, so nothing was read: that error is the script's reply
 -- (the caller's outage handling), not a lost group.
+-- Tenants (docs/fairness.md, tf_tenants.lua): before a shared stream whose queue has active
+-- tenants is read, requests are admitted into it from its tenant queues (the least virtual time
+-- first) until it holds one more undelivered entry than the read takes; the one left over wakes
+-- a worker blocked on that stream, whose own pull admits the rest. A queue with no active
+-- tenant costs one ZCARD and is read as without tenants.
+-- @include tf_tenants.lua
+
 local left = tonumber(ARGV[3])
-local n = #KEYS
+local n = tonumber(ARGV[4])
 local out = {'ok', 0, 0}
 local level_cap = {}
+local rec_pre, rec_suf = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
+local book = KEYS[#KEYS]
+local active_of, fair = {}, 0
+for i = 1, n do
+  local tq = ARGV[6 + 2 * n + i]
+  if tq and tq ~= '' then
+    fair = fair + 1
+    active_of[i] = KEYS[n + fair]
+  end
+end
+
+-- entries of stream not yet delivered to the group: XLEN - pending (what the enqueue script
+-- counts; Redis 6.2 has no XINFO lag)
+local function undelivered(stream)
+  local groups = redis.pcall('XINFO', 'GROUPS', stream)
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      local name, pending
+      for j = 1, #g, 2 do
+        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'pending' then pending = g[j + 1] end
+      end
+      if name == ARGV[1] then return redis.call('XLEN', stream) - (tonumber(pending) or 0) end
+    end
+  end
+  return 0
+end
+
 for i = 1, n do
   if left <= 0 then
     break
   end
   local count = left
-  local level = ARGV[3 + n + i] or tostring(i)
+  local level = ARGV[4 + n + i] or tostring(i)
   local cap = level_cap[level]
   if cap == nil then
-    cap = tonumber(ARGV[3 + i] or '-1')
+    cap = tonumber(ARGV[4 + i] or '-1')
     level_cap[level] = cap
   end
   if cap >= 0 and cap < count then
     count = cap
+  end
+  local active = active_of[i]
+  if count > 0 and active and redis.call('ZCARD', active) > 0 then
+    local need = count + 1 - undelivered(KEYS[i])
+    if need > 0 then
+      tt_admit(need, KEYS[i], active, book, ARGV[6 + 2 * n + i], rec_pre, rec_suf)
+    end
   end
   if count > 0 then
     out[2] = i

@@ -62,6 +62,17 @@ def test_models_name_their_workers_and_queue_depths(sdk: openai.OpenAI, fleet: F
             "workers": ["ghost"],
             "declared": True,
             "queues": {"critical": idle, "normal": idle, "batch": {"waiting": 2, "running": 0}},
+            "tenants": {},
+        }
+        # a tenant's request: the default tenant's waiting one moves to its tenant queue, the
+        # tenants' figures appear (docs/fairness.md), and the queue still counts all three
+        kw = {"model": "side", "max_tokens": 2, "priority": "batch", "tenant": "acme"}
+        rids.append(client.submit(messages=CHAT, **kw).request_id)
+        ext: Any = {m.id: m for m in sdk.models.list()}["side"].to_dict()["tokenfleet"]
+        assert ext["queues"]["batch"] == {"waiting": 3, "running": 0}
+        assert ext["tenants"] == {
+            "acme": {"waiting": 0, "running": 0, "served_tokens": 0},  # admitted (a tie: A first)
+            "default": {"waiting": 1, "running": 0, "served_tokens": 0},
         }
         extra = listed["default"].model_extra
         assert extra is not None

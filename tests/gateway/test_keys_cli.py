@@ -52,6 +52,7 @@ def test_create_list_revoke(
 
     assert main(["keys", "create", "--name", "cron", "--role", "viewer", "--json", *url]) == 0
     created = orjson.loads(capsys.readouterr().out)
+    assert (created["tenant"], created["weight"]) == ("default", None)
     assert created["api_key"].startswith(f"tf-{created['key_id']}-")
     assert (created["name"], created["priority_ceiling"], created["rpm"]) == ("cron", "normal", 0)
     assert created["role"] == "viewer"
@@ -82,6 +83,8 @@ def test_create_list_revoke(
         "created_at",
         "revoked_at",
         "role",
+        "tenant",
+        "weight",
     }
 
     async def refused(store: ApiKeyStore) -> None:
@@ -109,3 +112,20 @@ def test_errors_exit_1(redis_url: str, capsys: pytest.CaptureFixture[str]) -> No
         main(["keys", "create", "--name", "x", "--priority-ceiling", "urgent", *url])
     with pytest.raises(SystemExit):
         main(["keys", *url])  # an action is required
+
+
+def test_a_key_of_a_tenant_with_a_weight_sets_the_tenants_weight(
+    redis_url: str, r: redis.Redis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tenant`` / ``--weight`` go into the key's record, and the weight becomes the
+    tenant's (what ``tokenfleet tenants list`` shows; docs/fairness.md)."""
+    url = ["--redis-url", redis_url]
+    argv = ["keys", "create", "--name", "acme-app", "--tenant", "acme", "--weight", "3"]
+    assert main([*argv, "--json", *url]) == 0
+    created = orjson.loads(capsys.readouterr().out)
+    assert (created["tenant"], created["weight"]) == ("acme", 3.0)
+    assert main(["tenants", "list", "--json", *url]) == 0
+    listed = orjson.loads(capsys.readouterr().out)
+    assert listed["tenants"]["acme"] == {"weight": 3.0, "max_waiting": None}
+    assert main(["keys", "create", "--name", "bad", "--tenant", "a b", *url]) == 1
+    assert "tenant name" in capsys.readouterr().err

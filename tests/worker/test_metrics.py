@@ -58,6 +58,32 @@ def test_generation_tokens_are_counted_per_priority() -> None:
     assert _value(m, "tokenfleet:generation_tokens_total", priority="normal") is None
 
 
+def test_per_tenant_series_are_bounded_by_the_declared_limit() -> None:
+    """The first ``tenant_labels`` tenants keep their names, every later one is "other" (the
+    metric's series stay bounded whatever names clients send; docs/fairness.md)."""
+    m = WorkerMetrics("tiny", tenant_labels=2)
+    for i, tenant in enumerate(["", "acme", "globex", "initech", "acme"]):
+        m.observe_finish(
+            Priority.NORMAL, "done", "stop", 10, {}, tenant=tenant, num_output_tokens=i
+        )
+    served = "tokenfleet:tenant_tokens_served_total"
+    assert _value(m, served, tenant="default") == 10
+    assert _value(m, served, tenant="acme") == (10 + 1) + (10 + 4)
+    assert _value(m, served, tenant="other") == (10 + 2) + (10 + 3)  # globex and initech
+    assert _value(m, served, tenant="globex") is None
+    assert _value(m, "tokenfleet:tenant_requests_finished_total", tenant="other") == 2
+
+
+def test_a_beat_names_the_running_tenants_only_when_there_are_others() -> None:
+    from tokenfleet.worker.service.heartbeat import TENANTS_IN_BEAT, tenants_running
+
+    assert tenants_running(["", "", "default"]) == {}  # one tenant: the beat as it was
+    assert tenants_running(["", "acme", "acme"]) == {"tenants_running": "acme=2,default=1"}
+    many = [f"t{i}" for i in range(TENANTS_IN_BEAT + 3)]
+    field = tenants_running(many)["tenants_running"].split(",")
+    assert len(field) == TENANTS_IN_BEAT + 1 and field[-1] == "other=3"
+
+
 def _routed_counts(port: int) -> dict[str, float]:
     """``tokenfleet:requests_routed_total`` by ``how``, scraped from a worker's endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as f:

@@ -97,6 +97,18 @@ def render(snap: dict[str, Any]) -> str:
                 f"  {q['model'][:16]:<16} {q['priority']:<9} {q['waiting']:>8} "
                 f"{q['running']:>8} {q['max_waiting']:>8}  {q['policy']}"
             )
+    tenants = snap.get("tenants", [])  # (absent in a snapshot of an older version)
+    if tenants:
+        lines.append(f"tenants: {len({t['tenant'] for t in tenants})} (docs/fairness.md)")
+        lines.append(
+            f"  {'model':<16} {'tenant':<20} {'weight':>6} {'waiting':>8} {'running':>8} "
+            f"{'served tokens':>14}"
+        )
+        for t in tenants:
+            lines.append(
+                f"  {t['model'][:16]:<16} {t['tenant'][:20]:<20} {t['weight']:>6g} "
+                f"{t['waiting']:>8} {t['running']:>8} {t['served_tokens']:>14}"
+            )
     from tokenfleet.worker.commands.routed_status import model_lines
 
     lines.extend(model_lines(snap))

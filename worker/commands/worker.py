@@ -73,7 +73,7 @@ def func(args: argparse.Namespace) -> int:
     if warning:
         log.warning("%s", warning)
     engine: EnginePort = loaded  # mypy: the engine fits the service's port
-    metrics = WorkerMetrics(ws.model_name)
+    metrics = WorkerMetrics(ws.model_name, tenant_labels=ws.metrics_tenants)
     if ws.metrics_port is not None:
         metrics.serve(ws.metrics_port)
     service = WorkerService(engine, settings, ws, metrics=metrics)

@@ -25,7 +25,7 @@ class Entry:
     stream: str
     priority: Priority
     entry_id: str
-    fields: dict[str, bytes]  # id, d, dl, h (raw; any may be missing in a malformed entry)
+    fields: dict[str, bytes]  # id, d, dl, h, t, n (raw; any may be missing)
     route: str = ""  # how it came: "stolen_by:W" / "overflow:W" (START: the record's taken)
 
     @property
@@ -33,6 +33,18 @@ class Entry:
         """(stream, entry id): entry ids are unique per stream only, and the streams of two
         priorities can hold the same id."""
         return (self.stream, self.entry_id)
+
+    @property
+    def tenant(self) -> str:
+        """The tenant whose queue admitted it (field ``t``, docs/fairness.md); "" for an entry
+        that went to the shared stream directly (the default tenant, no fair admission)."""
+        return as_str(self.fields.get("t")) or ""
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Its prompt tokens as the producer counted them (field ``n``; 0 when absent)."""
+        value = as_str(self.fields.get("n")) or ""
+        return int(value) if value.isdigit() else 0
 
     @property
     def raw_id(self) -> str | None:

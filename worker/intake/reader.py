@@ -188,7 +188,9 @@ class IntakeReader:
         if self._read is not None:
             read, self._read = self._read, None
             entries = read.receive()
-            self._drained = not entries
+            # a blocking read that timed out empty is followed by one PULL, which admits what
+            # waits in tenant queues (docs/fairness.md) should no wake-up entry have come
+            self._drained = not entries and read.kind == "pull"
             if entries:
                 self._send_start(out, entries, room - len(entries))
             return len(entries)

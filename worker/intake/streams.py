@@ -62,6 +62,12 @@ class PriorityStreams:
         self.routed_of = {p: keys.routed(model_name, p, worker_name) for p in self.priorities}
         self.priority_of = {s: p for p, s in self.stream_of.items()}
         self.priority_of.update({s: p for p, s in self.routed_of.items()})
+        # fair admission between tenants (docs/fairness.md): what PULL admits from
+        self.tenant_queue_of = {p: keys.tenant_queue(model_name, p, "") for p in self.priorities}
+        self.active_of = {p: keys.tenants_active(model_name, p) for p in self.priorities}
+        self.book = keys.tenant_book(model_name)
+        before, _, after = keys.record("\0").partition("\0")
+        self._record_template = (before, after)
         self._skipped = dict.fromkeys(self.priorities, 0)
         self.caps: dict[Priority, int] = {}  # level -> entries the next reads may take at most
 
@@ -141,7 +147,19 @@ class PriorityStreams:
             keys = [s for p in order for s in self.own(p)]
             caps = [self.caps.get(p, -1) for p in order for _ in (0, 1)]
             levels = [p.label for p in order for _ in (0, 1)]
-            args: list[str | int] = [CONSUMER_GROUP, self.worker_name, budget, *caps, *levels]
+            args: list[str | int] = [
+                CONSUMER_GROUP,
+                self.worker_name,
+                budget,
+                len(keys),
+                *caps,
+                *levels,
+                *self._record_template,
+            ]
+            for p in order:  # (routed: no tenant queues; shared: its tenant queues' name)
+                args += ["", self.tenant_queue_of[p]]
+            keys += [self.active_of[p] for p in order]
+            keys.append(self.book)
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         return order
 
@@ -214,6 +232,7 @@ class PendingRead:
         self._order = order
         self._left_out = left_out  # levels a blocking read does not watch (capped at 0 then)
         self.blocking = order is None  # an XREADGROUP ... BLOCK, not a PULL
+        self.kind = "block" if order is None else "pull"  # (blocking is cleared on unblock)
 
     def narrowed(self) -> bool:
         """A blocking read that leaves out a level the caps now let be read."""

@@ -64,6 +64,8 @@ class Finish:
     entry_id: str  # its stream entry, acked and deleted when the finish takes effect
     text: str  # its whole output text, tokens appended in the same round trip included
     stream: str = ""  # the stream its entry is in ("": its level's shared stream)
+    tenant: str = ""  # the tenant whose queue admitted it ("": none; docs/fairness.md)
+    prompt_tokens: int = 0  # its prompt's tokens (what it is counted as served with its output)
 
 
 @dataclass(slots=True)
@@ -272,6 +274,8 @@ class Publisher:
                 extra_fields={"text": fin.text},
                 owner=self.worker_name,
                 stream=fin.stream or None,
+                tenant=fin.tenant,
+                prompt_tokens=fin.prompt_tokens,
             )
             pipe.script(FINISH, fk, fa)
         if check_cancel:

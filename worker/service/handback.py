@@ -41,7 +41,15 @@ def hand_back(
                 e.stream,
                 keys.stream(job.request.model, job.request.priority),
             ],
-            [job.request_id, worker_name, e.entry_id, CONSUMER_GROUP, e.fields.get("d") or b""],
+            [
+                job.request_id,
+                worker_name,
+                e.entry_id,
+                CONSUMER_GROUP,
+                e.fields.get("d") or b"",
+                e.tenant,
+                e.prompt_tokens,
+            ],
         )
     for job, reply in zip(jobs, pipe.execute(), strict=True):
         code = registry.check_reply(HANDBACK, reply)[0]

@@ -37,7 +37,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
@@ -48,6 +49,7 @@ from tokenfleet.shared.record import as_str
 from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.worker import FORGET_ROUTERS
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.tenants import DEFAULT_TENANT, TenantLabels
 from tokenfleet.worker.service.prefix_set import PrefixSet
 
 log = logging.getLogger(__name__)
@@ -250,3 +252,21 @@ def worker_stats(
         if metrics.last_error is not None:
             stats["last_error_at"], stats["last_error"] = metrics.last_error
     return stats
+
+
+TENANTS_IN_BEAT = 32  # tenants a beat names; the rest are summed as "other" (a bounded field)
+
+
+def tenants_running(tenants: Iterable[str]) -> dict[str, str]:
+    """The beat's ``tenants_running`` field ("T=N,..."; docs/fairness.md) for the running
+    requests' tenants ("" for one admitted without a tenant queue: the default tenant's); no
+    field at all while every running request is the default tenant's (a one-tenant fleet's
+    beats stay as they were)."""
+    counts = Counter(t or DEFAULT_TENANT for t in tenants)
+    if set(counts) <= {DEFAULT_TENANT}:
+        return {}
+    top = counts.most_common(TENANTS_IN_BEAT)
+    rest = sum(counts.values()) - sum(n for _, n in top)
+    if rest:
+        top.append((TenantLabels.OTHER, rest))
+    return {"tenants_running": ",".join(f"{t}={n}" for t, n in top)}

@@ -65,7 +65,7 @@ from tokenfleet.worker.service.adapter import EngineAdapter, MakeParams, engine_
 from tokenfleet.worker.service.engine_port import EnginePort
 from tokenfleet.worker.service.feed import PREPARED_POLL_S, Feeder
 from tokenfleet.worker.service.handback import hand_back
-from tokenfleet.worker.service.heartbeat import Heartbeat, worker_stats
+from tokenfleet.worker.service.heartbeat import Heartbeat, tenants_running, worker_stats
 from tokenfleet.worker.service.metrics import WorkerMetrics
 from tokenfleet.worker.service.outage import (
     EXIT_REDIS_UNAVAILABLE,
@@ -110,7 +110,9 @@ class WorkerService:
         self.client = client or redis_client(settings)
         keys = Keys.for_settings(settings)  # a cluster: the fleet's slot (registry, pools) apart
         self.fleet_client = redis_client(replace(settings, lane="")) if keys.laned else None
-        self.metrics = metrics or WorkerMetrics(wsettings.model_name)
+        self.metrics = metrics or WorkerMetrics(
+            wsettings.model_name, tenant_labels=wsettings.metrics_tenants
+        )
         name = wsettings.name
         self.intake = Intake(
             self.client,
@@ -408,7 +410,8 @@ class WorkerService:
             metrics=self.metrics,
         )
         pool = {f"pool_{k}": v for k, v in self.pool.status.items()} if self.pool else {}
+        tenants = tenants_running(job.entry.tenant for job in self.table.jobs.values())
         self.heartbeat.beat(
-            {**stats, "redis_state": redis_state, **self.outage.beat_fields(), **pool},
+            {**stats, "redis_state": redis_state, **self.outage.beat_fields(), **pool, **tenants},
             serving=not self.stop_requested,  # a stopping worker takes no new work
         )

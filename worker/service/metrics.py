@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.tenants import DEFAULT_TENANT, TenantLabels
 
 LATENCY_BUCKETS = (
     0.005,
@@ -48,9 +49,17 @@ class WorkerMetrics:
     loop only stores numbers there, so a step takes no prometheus lock for them.
     """
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        *,
+        tenant_labels: int = 16,
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.model_name = model_name
+        # per-tenant series: at most ``tenant_labels`` names + "other" (docs/fairness.md)
+        self.tenant_labels = TenantLabels(tenant_labels)
         m, mp = ["model_name"], ["model_name", "priority"]
         r = self.registry
         self.running = Gauge(
@@ -115,6 +124,18 @@ class WorkerMetrics:
             "Enqueue to finish.",
             mp,
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tenant_finished = Counter(
+            "tokenfleet:tenant_requests_finished",
+            "Requests this worker ended, per tenant (at most --metrics-tenants names + 'other').",
+            ["model_name", "tenant"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "tokenfleet:tenant_tokens_served",
+            "Prompt + output tokens of the requests this worker ended, per tenant.",
+            ["model_name", "tenant"],
             registry=r,
         )
         self.finished = Counter(
@@ -259,11 +280,17 @@ class WorkerMetrics:
         num_prompt_tokens: int,
         timings: dict[str, float],
         error: str = "",
+        *,
+        tenant: str = "",
+        num_output_tokens: int = 0,
     ) -> None:
         """A request this worker ran reached a terminal state (``error``: "CODE: message" of an
-        ``error`` end, noted as the last error)."""
+        ``error`` end, noted as the last error; ``tenant``: "" for the default tenant's)."""
         if error:
             self.note_error(error)
+        label = self.tenant_labels.label(tenant or DEFAULT_TENANT)
+        self.tenant_finished.labels(self.model_name, label).inc()
+        self.tenant_tokens.labels(self.model_name, label).inc(num_prompt_tokens + num_output_tokens)
         labels = (self.model_name, priority.label)
         self.finished.labels(*labels, status, finish_reason or "").inc()
         self.prompt_tokens.labels(*labels).inc(num_prompt_tokens)

@@ -271,6 +271,8 @@ class Outbox:
                 ev.usage.get("prompt_tokens", 0),
                 ev.timings,
                 error=f"{ev.code}: {ev.message}" if ev.status is TerminalStatus.ERROR else "",
+                tenant=fin.tenant,
+                num_output_tokens=max(0, ev.num_tokens),
             )
         for rid in result.lost:
             self._drop_lost(rid)
@@ -296,4 +298,14 @@ class Outbox:
 def finish_of(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:
     """``job``'s finish with ``event``: its text so far plus ``events`` (in the same round trip)."""
     text = job.text + "".join(e.text for e in events)
-    return Finish(event, job.entry.priority, job.entry.entry_id, text, job.entry.stream)
+    prompt = event.usage.get("prompt_tokens") if isinstance(event.usage, dict) else None
+    e = job.entry
+    return Finish(
+        event,
+        e.priority,
+        e.entry_id,
+        text,
+        e.stream,
+        e.tenant,
+        prompt if isinstance(prompt, int) else e.prompt_tokens,
+    )

@@ -25,11 +25,13 @@ from tokenfleet.producer.gateway.auth.scripts import (
     create_keys,
     revoke_keys,
 )
+from tokenfleet.producer.tenants import set_tenant
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import Keys, check_name
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.scripts.registry import call
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 # Draws of a fresh key id before giving up; a clash among 36**10 ids is already rare.
 _ID_ATTEMPTS = 8
@@ -65,10 +67,14 @@ class ApiKeyAdmin:
         rpm: int = 0,
         tpm: int = 0,
         role: Role | str = Role.USER,
+        tenant: str = DEFAULT_TENANT,
+        weight: float | None = None,
     ) -> tuple[str, ApiKey]:
         """Create a key; returns ``(presented key, ApiKey)``. The presented key exists only in
         this return value: show it once. Refuses (``InvalidRequest``) a name a live key has.
-        ``role``: ``viewer`` or ``admin`` also open the fleet console (``Role``)."""
+        ``role``: ``viewer`` or ``admin`` also open the fleet console (``Role``).
+        ``tenant`` / ``weight``: whose requests the key's are, with what share weight
+        (docs/fairness.md)."""
         check_name("API key", name)
         role = Role.parse(role)
         ceiling = Priority.parse(priority_ceiling)
@@ -83,6 +89,8 @@ class ApiKeyAdmin:
                 tpm=tpm,
                 created_at=self._clock(),
                 role=role,
+                tenant=tenant,
+                weight=weight,
             )
             presented = new_presented_key(key.key_id)
             fields = [x for pair in encode_record(key, digest_of(presented)).items() for x in pair]
@@ -93,6 +101,8 @@ class ApiKeyAdmin:
                 [key.key_id, name, *fields],
             )
             if code == "ok":
+                if weight is not None:  # the key's weight is its tenant's (docs/fairness.md)
+                    set_tenant(self._redis, self._keys, tenant, weight=weight)
                 return presented, key
         raise InvalidRequest(f"no free API key id after {_ID_ATTEMPTS} draws")  # pragma: no cover
 

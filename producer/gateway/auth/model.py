@@ -16,6 +16,9 @@ Record layout (the hash at ``Keys.api_key(key_id)``; all values are strings)::
     rpm, tpm          requests / tokens per minute; 0 = unlimited
     role              user | viewer | admin (absent: user): what the key may do besides
                       the OpenAI API (``Role``: the fleet console)
+    tenant, weight    whose requests the key's are, and that tenant's share weight
+                      (absent: the default tenant, and the tenant's weight as it is stored;
+                      docs/fairness.md)
     created_at        epoch seconds (the creating machine's clock)
     revoked_at        epoch seconds; absent while the key is live
     rq, tk, ts        quota buckets, owned by the Lua scripts (see :mod:`.quota`)
@@ -37,6 +40,7 @@ from typing import Any
 from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.keys import check_name
 from tokenfleet.shared.priority import Priority
+from tokenfleet.shared.tenants import DEFAULT_TENANT, check_tenant, check_weight
 
 KEY_ID_LENGTH = 10
 KEY_ID_ALPHABET = string.ascii_lowercase + string.digits
@@ -61,6 +65,8 @@ RECORD_FIELDS = (
     "created_at",
     "revoked_at",
     "role",
+    "tenant",
+    "weight",
 )
 
 
@@ -118,6 +124,8 @@ class ApiKey:
         created_at: epoch seconds.
         revoked_at: epoch seconds of the revoke; ``None`` while live.
         role: what the key may do besides the OpenAI API (``Role``; default ``user``).
+        tenant: whose requests the key's are (docs/fairness.md; default ``default``).
+        weight: the tenant's share weight its requests record; ``None``: as stored.
     """
 
     key_id: str
@@ -128,8 +136,13 @@ class ApiKey:
     created_at: float
     revoked_at: float | None = None
     role: Role = Role.USER
+    tenant: str = DEFAULT_TENANT
+    weight: float | None = None
 
     def __post_init__(self) -> None:
+        check_tenant(self.tenant)
+        if self.weight is not None:
+            object.__setattr__(self, "weight", check_weight(self.weight))
         if not isinstance(self.key_id, str) or not is_key_id(self.key_id):
             raise InvalidRequest(f"API key id {self.key_id!r} must be 10 of [a-z0-9]")
         check_name("API key", self.name)
@@ -159,6 +172,8 @@ class ApiKey:
             "created_at": self.created_at,
             "revoked_at": self.revoked_at,
             "role": self.role.value,
+            "tenant": self.tenant,
+            "weight": self.weight,
         }
 
 
@@ -209,6 +224,10 @@ def encode_record(key: ApiKey, digest: str) -> dict[str, str]:
         out["revoked_at"] = repr(key.revoked_at)
     if key.role is not Role.USER:  # (absent reads as user: records made before roles)
         out["role"] = key.role.value
+    if key.tenant != DEFAULT_TENANT:  # (absent reads as the default tenant)
+        out["tenant"] = key.tenant
+    if key.weight is not None:
+        out["weight"] = repr(key.weight)
     return out
 
 
@@ -236,6 +255,8 @@ def decode_record(
             created_at=float(fields["created_at"]),
             revoked_at=float(revoked) if revoked else None,
             role=Role.parse(fields.get("role") or Role.USER),
+            tenant=fields.get("tenant") or DEFAULT_TENANT,
+            weight=float(fields["weight"]) if fields.get("weight") else None,
         )
     except (KeyError, ValueError, InvalidRequest) as exc:
         raise InvalidRequest(f"API key {key_id}: its record does not decode ({exc})") from exc

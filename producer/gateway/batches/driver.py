@@ -253,7 +253,11 @@ class BatchDriver:
         rid = L.request_id(self.bid, i)
         try:
             handle = await self.cfg.client.try_submit(
-                model=sub.model, priority=Priority.BATCH, request_id=rid, **sub.params
+                model=sub.model,
+                priority=Priority.BATCH,
+                request_id=rid,
+                tenant=self.batch.tenant,
+                **sub.params,
             )
         except (Overloaded, redis.RedisError):
             raise

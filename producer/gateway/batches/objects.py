@@ -137,6 +137,7 @@ class BatchObject:
     errors: list[dict[str, Any]] | None
     out_id: str = ""  # where the runner writes output lines (exposed once final)
     err_id: str = ""  # where invalid lines and failed requests go
+    tenant: str = "default"  # whose requests its lines are (the creating key's tenant)
 
     @property
     def final(self) -> bool:
@@ -167,6 +168,7 @@ class BatchObject:
             errors=orjson.loads(errors) if errors else None,
             out_id=_s(raw, "out_id") or "",
             err_id=_s(raw, "err_id") or "",
+            tenant=_s(raw, "tenant") or "default",
         )
 
     def to_dict(self) -> dict[str, Any]:

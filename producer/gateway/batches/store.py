@@ -36,6 +36,7 @@ from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.scripts.registry import acall, aqueue
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,4})([hm])$")
 DEFAULT_MAX_LINES = 200_000
@@ -87,8 +88,10 @@ class BatchStore:
         endpoint: str,
         completion_window: str = "24h",
         metadata: dict[str, Any] | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> BatchObject:
-        """Create a batch and validate its lines (see the module docstring)."""
+        """Create a batch and validate its lines (see the module docstring); its lines run
+        as ``tenant``'s requests (docs/fairness.md)."""
         if endpoint not in L.ENDPOINTS:
             raise ApiError(
                 400,
@@ -122,6 +125,8 @@ class BatchStore:
             "out_id": new_file_id(),  # where the runner writes; exposed once final
             "err_id": new_file_id(),
         }
+        if tenant != DEFAULT_TENANT:  # (absent reads as the default tenant)
+            fields["tenant"] = tenant
         token = "create-" + os.urandom(12).hex()
         pipe = self._r.pipeline(transaction=True)
         pipe.hset(self._keys.batch(bid), mapping=fields)

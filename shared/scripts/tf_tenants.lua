@@ -1,0 +1,94 @@
+-- KEYS: none (an include, not a script: `-- @include tf_tenants.lua` pastes it into enqueue.lua
+--       and worker_pull.lua; its functions take their keys as arguments: the queue's streams,
+--       its active-tenants set and the lane's tenant book come from the caller's KEYS[]; a
+--       tenant's queue and a request's record are built by the caller from templates that
+--       tokenfleet.shared.keys.Keys made, both in the model's lane: docs/protocol.md, "Keys in
+--       scripts")
+-- ARGV: none
+-- Fair admission between tenants (docs/fairness.md), the virtual token counter of Sheng et al.
+-- (OSDI 2024) kept in Redis. Per queue (model, priority):
+--   tenant queue  P:tq:M:L:T  stream of T's waiting requests (fields id, d, dl, n: prompt tokens)
+--   active set    P:tact:M:L  sorted set: backlogged tenant -> its virtual time
+--   book          P:tbook:M   hash: "vt|T" virtual time (weighted tokens served, per model),
+--                             "w|T" weight, "max|T" own bound, "served|T", "admitted|T"
+-- Invariants:
+--   * a tenant is in the active set iff its tenant queue may hold entries (a member whose queue
+--     turned out empty is removed when the picker meets it), and its score is its "vt|T";
+--   * admission (tt_admit) takes the head of the active tenant with the least virtual time, moves
+--     it to the queue's shared stream (a new entry with field t = tenant and o = the id it had
+--     when enqueued, its age for drop-oldest; the record's stream_id follows it) and charges its prompt tokens / weight, in one script: any number of workers
+--     and producers agree on the order;
+--   * a tenant that becomes backlogged again starts at max(its own, the least active) virtual
+--     time (tt_activate): idling banks no credit.
+local function tt_weight(book, tenant)
+  local w = tonumber(redis.call('HGET', book, 'w|' .. tenant) or '')
+  if not w or w <= 0 then w = 1 end
+  return w
+end
+
+-- charge `tokens` of service to `tenant`: its virtual time grows by tokens / weight
+local function tt_charge(active, book, tenant, tokens)
+  if tokens <= 0 then return end
+  local d = tokens / tt_weight(book, tenant)
+  redis.call('HINCRBYFLOAT', book, 'vt|' .. tenant, d)
+  redis.call('ZADD', active, 'XX', 'INCR', d, tenant)
+end
+
+-- mark `tenant` backlogged (no-op when it is), lifted to the least active virtual time
+local function tt_activate(active, book, tenant)
+  if redis.call('ZSCORE', active, tenant) then return end
+  local vt = tonumber(redis.call('HGET', book, 'vt|' .. tenant) or '0') or 0
+  local least = redis.call('ZRANGE', active, 0, 0, 'WITHSCORES')
+  if least[2] and tonumber(least[2]) > vt then
+    vt = tonumber(least[2])
+    redis.call('HSET', book, 'vt|' .. tenant, least[2])
+  end
+  redis.call('ZADD', active, vt, tenant)
+end
+
+local function tt_field(entry, name)
+  local f = entry[2]
+  for i = 1, #f, 2 do
+    if f[i] == name then return f[i + 1] end
+  end
+  return nil
+end
+
+-- Admit up to `n` waiting requests from the tenant queues into `stream` (the queue's shared
+-- stream), each from the active tenant with the least virtual time. `tq` is the tenant queue's
+-- name before the tenant (the names end with it); `rec_pre`/`rec_suf` surround a request id in
+-- its record's name. An entry whose request is no longer queued there (cancelled, expired or
+-- dropped while it waited) is removed without admitting or charging it. Returns how many
+-- were admitted.
+local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf)
+  local moved = 0
+  while moved < n do
+    local least = redis.call('ZRANGE', active, 0, 0)
+    local tenant = least[1]
+    if not tenant then break end
+    local queue = tq .. tenant
+    local head = redis.call('XRANGE', queue, '-', '+', 'COUNT', 1)[1]
+    if not head then
+      redis.call('ZREM', active, tenant)
+    else
+      redis.call('XDEL', queue, head[1])
+      local rid = tt_field(head, 'id') or ''
+      local rec = rec_pre .. rid .. rec_suf
+      local held = redis.call('HMGET', rec, 'status', 'stream_id')
+      if held[1] == 'queued' and held[2] == head[1] then
+        local prompt = tonumber(tt_field(head, 'n') or '') or 0
+        local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', tt_field(head, 'd') or '',
+                               'dl', tt_field(head, 'dl') or '', 't', tenant, 'n', prompt,
+                               'o', tt_field(head, 'o') or head[1])
+        redis.call('HSET', rec, 'stream_id', sid)
+        redis.call('HINCRBY', book, 'admitted|' .. tenant, 1)
+        tt_charge(active, book, tenant, math.max(prompt, 1))
+        moved = moved + 1
+      end
+      if redis.call('XLEN', queue) == 0 then
+        redis.call('ZREM', active, tenant)
+      end
+    end
+  end
+  return moved
+end
