@@ -1,11 +1,12 @@
 # The two commands: `make demo` (set up everything, run the fleet demo) and `make test`
-# (set up everything, run lint, types and the test suite). Both are idempotent.
+# (set up everything, run lint, types and the test suite). Both are idempotent. `make check`
+# is the fast tier for the edit loop.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test setup redis7 chromium lint typecheck pytest bench docs clean
+.PHONY: demo test check setup redis7 chromium lint typecheck pytest bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,11 @@ pytest: $(STAMP) $(ASSETS) redis7 chromium
 	$(PY) -m pytest -p no:cacheprovider
 
 test: lint typecheck pytest
+
+# The edit loop's fast tier (a few minutes): lint, and every test that starts no process (those
+# are marked slow automatically: tests/process_marking.py). `make test` runs everything.
+check: lint $(STAMP) $(ASSETS) redis7
+	$(PY) -m pytest -p no:cacheprovider -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m tokenfleet.worker.cli bench all

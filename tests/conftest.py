@@ -4,9 +4,12 @@
   unix socket, persistence off. Tests never touch the machine's shared 6379: the session also
   points ``REDIS_URL`` at the private server so child processes inherit it.
 * ``redis_url`` / ``r``: that server, flushed before each test (real-server tests).
-* ``any_redis``: parametrized over the real server and fakeredis, marked ``real`` / ``fake``,
-  for tests whose semantics fakeredis matches (``-m fake`` runs that fast subset). Anything that
-  blocks (XREADGROUP ... BLOCK) or runs Lua must use ``r`` instead.
+* every test that starts a process (a worker, a gateway, any command) is marked ``slow`` at
+  collection, and a test not marked ``slow`` that starts one fails (tests/process_marking.py):
+  ``-m "not slow"`` (``make check``) is the fast tier.
+
+No fakeredis: every path of the client, the gateway and the worker runs Lua or a blocking
+``XREADGROUP``, which fakeredis does not model faithfully.
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import fakeredis
 import pytest
 import redis
+from process_marking import guarded, item_starts_processes
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
@@ -85,27 +88,24 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), flavour="qwen2", seed=0)
 
 
-@pytest.fixture(
-    params=[
-        pytest.param("real", marks=pytest.mark.real),
-        pytest.param("fake", marks=pytest.mark.fake),
-    ]
-)
-def any_redis(request: pytest.FixtureRequest) -> Iterator[redis.Redis]:
-    if request.param == "fake":
-        client: redis.Redis = fakeredis.FakeRedis()
-    else:
-        client = redis.Redis.from_url(request.getfixturevalue("redis_url"))
-    yield client
-    client.close()
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that use the private server directly are marked ``real``."""
+    """Tests that use the private server directly are marked ``real``; tests that start a
+    process, ``slow``."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        if names & REAL_FIXTURES and "any_redis" not in names:
+        if names & REAL_FIXTURES:
             item.add_marker(pytest.mark.real)
+        if item.get_closest_marker("slow") is None and item_starts_processes(item):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> object:
+    """A test not marked ``slow`` runs with process starts refused (process_marking.guarded)."""
+    if item.get_closest_marker("slow") is not None:
+        return (yield)
+    with guarded(item.nodeid):
+        return (yield)
 
 
 COUNTS_TAG = "[counts] "  # a line a test prints with this tag shows in the run's summary

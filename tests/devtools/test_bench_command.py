@@ -22,6 +22,7 @@ def test_bench_finds_the_checkout_benchmarks_from_any_directory(
         assert (ROOT / "benchmarks" / script).is_file(), script
 
 
+@pytest.mark.slow  # `bench all` runs each (stub) script as a process of its own
 def test_bench_all_runs_every_script_and_fails_if_one_failed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

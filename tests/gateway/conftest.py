@@ -1,6 +1,8 @@
-"""Gateway fixtures: one real worker (tiny Llama) and one real gateway process per module, on
-the session's private Redis under the module's own key prefix. Nothing here flushes Redis (the
-suite's ``r`` / ``redis_url`` fixtures do: gateway tests use ``plain_redis`` instead)."""
+"""Gateway fixtures: one real worker (tiny Llama) and one real gateway process, started once
+per session on the session's private Redis under a key prefix of their own and shared by every
+module that takes the default ``fleet`` (modules that need other flags start their own, per
+module). Nothing here flushes Redis (the suite's ``r`` / ``redis_url`` fixtures do: gateway
+tests use ``plain_redis`` instead)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,16 @@ def plain_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet(
-    redis_server: RedisServer,
-    plain_redis: redis.Redis,
-    tiny_llama_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
+    redis_server: RedisServer, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Fleet]:
+    """The default fleet, shared by the modules that use it: no test of theirs signals or stops
+    its worker or gateway, nor changes a setting of theirs (a test that kills a gateway starts a
+    second one: ``Fleet.second_gateway``)."""
+    client = redis.Redis.from_url(redis_server.url)
     log_dir = tmp_path_factory.mktemp("gateway-logs")
-    yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)
+    try:
+        yield from module_fleet(redis_server, client, tiny_llama_dir, log_dir, threaded=True)
+    finally:
+        client.close()

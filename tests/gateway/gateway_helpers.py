@@ -3,75 +3,30 @@ worker``, each a child process on the session's private Redis under a test's key
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import redis
+from child_process import ChildProcess, free_port, tokenfleet_args
+from thread_worker import ThreadWorker
+from waiting import wait_for
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
-DEADLINE_S = 120.0
 
-
-def wait_for(check: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
-    """Poll ``check`` until it returns something truthy; AssertionError naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Proc:
-    """A child process whose output goes to a log file."""
+class Proc(ChildProcess):
+    """A child process whose output goes to a log file (SIGTERM, 15 s, then SIGKILL at close)."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str], log_path: Path) -> None:
-        self.log_path = log_path
-        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            list(args), env={**os.environ, **env}, stdout=self.log, stderr=subprocess.STDOUT
-        )
+        super().__init__(args, log_path, env)
 
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
+    def close(self, grace_s: float = 15.0) -> None:
+        super().close(grace_s)
 
 
 class Gateway(Proc):
@@ -89,15 +44,14 @@ class Gateway(Proc):
     ) -> None:
         self.port = free_port() if port is None else port
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(self.port)]
+        args = tokenfleet_args("serve", "--port", str(self.port))
         args += ["--log-level", "warning", *extra]
         full_env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix, **(env or {})}
         super().__init__(args, full_env, log_dir / f"{name}.log")
 
     def wait_ready(self) -> Gateway:
         def ready() -> bool:
-            if not self.alive():
-                raise AssertionError(f"the gateway exited:\n{self.output()}")
+            self.check_alive("the gateway")
             try:
                 return httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -105,6 +59,9 @@ class Gateway(Proc):
 
         wait_for(ready, "the gateway's /health")
         return self
+
+
+GATEWAY_FLAGS = ("--threads", "1", "--heartbeat-ttl-s", "2")  # a gateway test's worker's
 
 
 class Worker(Proc):
@@ -121,15 +78,14 @@ class Worker(Proc):
     ) -> None:
         self.name = name
         self.keys = Keys(prefix)
-        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", str(model_dir)]
-        args += ["--name", name, "--threads", "1", "--heartbeat-ttl-s", "2", *extra]
+        args = tokenfleet_args("worker", "--model", str(model_dir))
+        args += ["--name", name, *GATEWAY_FLAGS, *extra]
         env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix}
         super().__init__(args, env, log_dir / f"{name}.log")
 
     def wait_ready(self, r: redis.Redis) -> Worker:
         def ready() -> bool:
-            if not self.alive():
-                raise AssertionError(f"worker {self.name} exited:\n{self.output()}")
+            self.check_alive(f"worker {self.name}")
             return bool(r.exists(self.keys.worker(self.name)))
 
         wait_for(ready, f"worker {self.name}'s heartbeat")
@@ -156,7 +112,7 @@ class Fleet:
     keys: Keys
     r: redis.Redis
     gateway: Gateway
-    worker: Worker
+    worker: Worker | ThreadWorker
     log_dir: Path
 
     @property
@@ -175,9 +131,19 @@ def start_fleet(
     gateway_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
     gateway_env: dict[str, str] | None = None,
+    *,
+    threaded: bool = False,
 ) -> Fleet:
+    """A worker and a gateway under a fresh key prefix, both ready. ``threaded``: the worker
+    runs in a thread of the test (``ThreadWorker``: for tests that never signal or kill it)."""
     prefix = f"gw{uuid.uuid4().hex[:8]}"
-    worker = Worker(model_dir, redis_server.url, prefix, "gw-worker", log_dir, *worker_args)
+    worker: Worker | ThreadWorker
+    if threaded:
+        worker = ThreadWorker(
+            model_dir, redis_server.url, prefix, "gw-worker", *worker_args, flags=GATEWAY_FLAGS
+        )
+    else:
+        worker = Worker(model_dir, redis_server.url, prefix, "gw-worker", log_dir, *worker_args)
     gateway = Gateway(redis_server.url, prefix, log_dir, *gateway_args, env=gateway_env)
     try:
         worker.wait_ready(r)
@@ -196,9 +162,13 @@ def module_fleet(
     log_dir: Path,
     gateway_args: tuple[str, ...] = (),
     worker_args: tuple[str, ...] = (),
+    *,
+    threaded: bool = False,
 ) -> Iterator[Fleet]:
     """A module fixture's body: a fleet for the module's tests, stopped after them."""
-    f = start_fleet(redis_server, r, model_dir, log_dir, gateway_args, worker_args)
+    f = start_fleet(
+        redis_server, r, model_dir, log_dir, gateway_args, worker_args, threaded=threaded
+    )
     try:
         yield f
     finally:

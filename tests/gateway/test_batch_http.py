@@ -47,7 +47,8 @@ def bfleet(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-batch-logs")
-    yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir)
+    # no test signals this worker (the one a test kills is its own: start_fleet below)
+    yield from module_fleet(redis_server, plain_redis, tiny_llama_dir, log_dir, threaded=True)
 
 
 def test_a_batch_through_the_sdk_with_invalid_lines(bfleet: Fleet) -> None:

@@ -34,7 +34,12 @@ def keyed(
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-auth-logs")
     yield from module_fleet(
-        redis_server, plain_redis, tiny_llama_dir, log_dir, gateway_args=("--auth", "required")
+        redis_server,
+        plain_redis,
+        tiny_llama_dir,
+        log_dir,
+        gateway_args=("--auth", "required"),
+        threaded=True,  # no test signals the worker
     )
 
 

@@ -35,7 +35,12 @@ def busy_fleet(
 ) -> Iterator[Fleet]:
     log_dir = tmp_path_factory.mktemp("gateway-overload-logs")
     yield from module_fleet(
-        redis_server, plain_redis, tiny_llama_dir, log_dir, worker_args=("--max-num-seqs", "1")
+        redis_server,
+        plain_redis,
+        tiny_llama_dir,
+        log_dir,
+        worker_args=("--max-num-seqs", "1"),
+        threaded=True,  # no test signals the worker
     )
 
 

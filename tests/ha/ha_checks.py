@@ -8,9 +8,7 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +17,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from ha_helpers import DEADLINE_S, HAWorker, wait_for
+from child_process import ChildProcess, free_port, tokenfleet_args
+from ha_helpers import HAWorker
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.errors import Overloaded
@@ -40,7 +40,7 @@ def _cli(prefix: str, redis_flags: list[str], *args: str) -> str:
     """A ``tokenfleet`` command with ``redis_flags`` (no REDIS_URL in its environment)."""
     env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
     env.pop("REDIS_URL", None)
-    cmd = [sys.executable, "-m", "tokenfleet.worker.cli", *args, *redis_flags]
+    cmd = tokenfleet_args(*args, *redis_flags)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -70,21 +70,16 @@ def gateway_process(
 ) -> Iterator[str]:
     """A real ``tokenfleet serve`` (uvicorn) with ``redis_flags`` and ``extra`` flags, healthy;
     yields its base URL; SIGTERM after."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
     env.pop("REDIS_URL", None)
-    args = [sys.executable, "-m", "tokenfleet.worker.cli", "serve", "--port", str(port),
-            "--log-level", "warning", *extra, *redis_flags]  # fmt: skip
-    log_path = log_dir / f"gateway-{port}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    args = tokenfleet_args("serve", "--port", str(port), "--log-level", "warning", *extra,
+                           *redis_flags)  # fmt: skip
+    proc = ChildProcess(args, log_dir / f"gateway-{port}.log", env, inherit_env=False)
     url = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(log_path.read_text())
+        proc.check_alive("the gateway")
         try:
             return httpx.get(url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
@@ -94,8 +89,9 @@ def gateway_process(
         wait_for(healthy, "the gateway's /health")
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
+        proc.signal(signal.SIGTERM)
         proc.wait(30)
+        proc.close()
 
 
 def _check_gateway(prefix: str, redis_flags: list[str], log_dir: Path, prompt: str) -> None:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import redis
 from acl_roles_doc import documented_acl_commands
-from ha_helpers import DEADLINE_S, HAWorker, seed_url, wait_for
+from ha_helpers import HAWorker, seed_url
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.settings import Settings

@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 import redis
-from ha_helpers import DEADLINE_S, HAWorker, cluster_settings, wait_for
+from ha_helpers import HAWorker, cluster_settings
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.shared.cluster_connection import fleet_slot

@@ -28,7 +28,8 @@ from ha_checks import (
     indices,
     terminal,
 )
-from ha_helpers import DEADLINE_S, HAWorker, cluster_flags, cluster_settings, wait_for
+from ha_helpers import HAWorker, cluster_flags, cluster_settings
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.cluster_connection import fleet_slot

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 import redis
-from ha_helpers import DEADLINE_S, HAWorker, ha_settings, wait_for
+from ha_helpers import HAWorker, ha_settings
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys

@@ -21,7 +21,8 @@ from ha_checks import (
     indices,
     terminal,
 )
-from ha_helpers import DEADLINE_S, HAWorker, ha_settings, sentinel_flags, wait_for
+from ha_helpers import HAWorker, ha_settings, sentinel_flags
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys

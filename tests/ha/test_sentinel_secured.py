@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import redis
-from ha_helpers import DEADLINE_S, HAWorker, ha_settings, wait_for
+from ha_helpers import HAWorker, ha_settings
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.redis_connect import redis_client

@@ -9,16 +9,15 @@ the flood ends.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import waiting
+from child_process import ChildProcess, tokenfleet_args
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.record import RequestRecord
@@ -28,45 +27,29 @@ from tokenfleet.worker.pool.config import PoolConfig
 
 PREFIX = "tfpool"
 DEADLINE_S = 240.0  # failure guard only: every wait below polls for a state
+wait_for = functools.partial(waiting.wait_for, timeout_s=DEADLINE_S, poll_s=0.05)
 
 
-def wait_for(predicate: Callable[[], Any], what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Worker:
+class Worker(ChildProcess):
     def __init__(self, model_dir: Path, redis_url: str, name: str, log_dir: Path, *extra: str):
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.log = open(self.log_path, "wb")  # noqa: SIM115
-        env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": PREFIX}
-        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", str(model_dir)]
+        env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": PREFIX}
+        args = tokenfleet_args("worker", "--model", str(model_dir))
         args += ["--name", name, "--threads", "1", "--block-size", "4", "--kv-blocks", "64"]
         args += ["--kv-pool", "p", "--max-num-seqs", "8", *extra]
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-4000:]
+        super().__init__(args, log_dir / f"{name}.log", env)
 
     def alive(self) -> bool:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"worker {self.name} exited:\n{self.output()}")
+        self.check_alive(f"worker {self.name}")
         return True
 
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
         try:
-            return self.proc.wait(60)
+            return self.wait(60)
         finally:
-            self.log.close()
+            self.close()
 
 
 @pytest.fixture

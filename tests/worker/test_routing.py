@@ -1,4 +1,4 @@
-"""Routing with real worker processes (docs/routing.md): sessions and prefixes pick the worker,
+"""Routing with real workers (docs/routing.md): sessions and prefixes pick the worker,
 idle workers steal what waits, a killed worker's routed work is taken over, models never mix,
 the overflow pool takes only aged work, and cancel / deadlines / overflow policies still hold.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from thread_worker import ThreadWorker
 from worker_helpers import WorkerProc, record, wait_for, wait_terminal
 
 from tokenfleet.producer import Client
@@ -44,17 +45,24 @@ def _turn(*texts: str) -> list[dict[str, str]]:
 
 
 class Fleet:
-    """Worker processes on one key prefix and a producer client on it."""
+    """Workers on one key prefix and a producer client on it: each in a thread of the test
+    (``ThreadWorker``), or a real process where the test kills one."""
 
     def __init__(self, model_dir: Path, server: RedisServer, prefix: str, tmp: Path) -> None:
         self.model_dir, self.server, self.prefix, self.tmp = model_dir, server, prefix, tmp
         self.keys = Keys(prefix)
         self.r = redis.Redis.from_url(server.url)
-        self.workers: dict[str, WorkerProc] = {}
+        self.workers: dict[str, WorkerProc | ThreadWorker] = {}
         self.client = Client.from_url(settings=Settings(redis_url=server.url, key_prefix=prefix))
 
-    def start(self, name: str, *extra: str, target: bool = True) -> WorkerProc:
-        w = WorkerProc(self.model_dir, self.server.url, self.prefix, name, self.tmp, *extra)
+    def start(
+        self, name: str, *extra: str, target: bool = True, process: bool = False
+    ) -> WorkerProc | ThreadWorker:
+        w: WorkerProc | ThreadWorker
+        if process:
+            w = WorkerProc(self.model_dir, self.server.url, self.prefix, name, self.tmp, *extra)
+        else:
+            w = ThreadWorker(self.model_dir, self.server.url, self.prefix, name, *extra)
         self.workers[name] = w
         w.wait_ready(self.r)
         if target:  # a routing target once its score in the model's routers set is live
@@ -182,8 +190,8 @@ def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet
 
 
 def test_a_worker_killed_holding_routed_work_loses_nothing(fleet: Fleet) -> None:
-    fleet.start("ka", "--max-num-seqs", "2")
-    fleet.start("kb", "--max-num-seqs", "2")
+    fleet.start("ka", "--max-num-seqs", "2", process=True)  # one of them is killed
+    fleet.start("kb", "--max-num-seqs", "2", process=True)
     c = fleet.client
     params = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
     handles = [
@@ -194,6 +202,7 @@ def test_a_worker_killed_holding_routed_work_loses_nothing(fleet: Fleet) -> None
     assert first is not None
     home = first.routed_to
     victim = fleet.workers[home]
+    assert isinstance(victim, WorkerProc)
 
     def running_on_victim() -> str | None:
         for rid in rids:

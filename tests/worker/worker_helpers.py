@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -13,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
+from child_process import ChildProcess, tokenfleet_args
+from waiting import DEADLINE_S, wait_for
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.record import RequestRecord
@@ -25,8 +25,6 @@ from tokenfleet.shared.schema import (
 
 if TYPE_CHECKING:
     from tokenfleet.worker.intake import Intake
-
-DEADLINE_S = 120.0
 
 
 def make_intake(
@@ -103,17 +101,6 @@ def make_request(rid: str, **kw: Any) -> GenerationRequest:
     return GenerationRequest(request_id=rid, **kw)
 
 
-def wait_for(predicate: Any, what: str, timeout_s: float = DEADLINE_S, poll_s: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
 def record(r: redis.Redis, keys: Keys, rid: str) -> RequestRecord | None:
     return RequestRecord.from_hash(rid, r.hgetall(keys.record(rid)))
 
@@ -182,8 +169,9 @@ def subscribe(r: redis.Redis, keys: Keys, rids: Sequence[str]) -> ChannelLog:
     return ChannelLog(ps)
 
 
-class WorkerProc:
-    """A real ``tokenfleet worker`` process (``python -m tokenfleet.worker.cli worker``)."""
+class WorkerProc(ChildProcess):
+    """A real ``tokenfleet worker`` process (``python -m tokenfleet.worker.cli worker``), or
+    ``script`` run with the same flags; killed (SIGKILL) at :meth:`close`."""
 
     def __init__(
         self,
@@ -197,7 +185,6 @@ class WorkerProc:
         env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
         full_env = {
             **os.environ,
             "REDIS_URL": redis_url,
@@ -205,10 +192,7 @@ class WorkerProc:
             **(env or {}),
         }
         full_env.pop("TOKENFLEET_MODEL", None)
-        if script is None:
-            args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker"]
-        else:
-            args = [sys.executable, str(script)]
+        args = tokenfleet_args("worker") if script is None else [sys.executable, str(script)]
         args += [
             "--model",
             str(model_dir),
@@ -224,33 +208,12 @@ class WorkerProc:
             "0.5",
             *extra,
         ]
-        self.log = open(self.log_path, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(args, env=full_env, stdout=self.log, stderr=subprocess.STDOUT)
+        super().__init__(args, log_dir / f"{name}.log", full_env, inherit_env=False)
         self.keys = Keys(prefix)
 
     def wait_ready(self, r: redis.Redis, timeout_s: float = DEADLINE_S) -> None:
         def ready() -> bool:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"worker {self.name} exited early:\n{self.output()}")
+            self.check_alive(f"worker {self.name}")
             return bool(r.exists(self.keys.worker(self.name)))
 
         wait_for(ready, f"worker {self.name}'s heartbeat", timeout_s, 0.05)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")[-6000:]
-
-    def signal(self, sig: int) -> None:
-        os.kill(self.proc.pid, sig)
-
-    def wait(self, timeout_s: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"worker {self.name} did not exit:\n{self.output()}") from None
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()

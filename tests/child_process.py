@@ -1,0 +1,96 @@
+"""The suite's one child-process helper: a real process (``tokenfleet worker``, ``tokenfleet
+serve``, any command) with its output in a log file, signalled, awaited and stopped.
+
+A test that starts one is marked ``slow`` automatically (tests/conftest.py), and a test not
+marked ``slow`` that starts a Python process fails (the guard in tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def tokenfleet_args(*args: str) -> list[str]:
+    """The command line of ``tokenfleet ARGS`` run by this interpreter."""
+    return [sys.executable, "-m", "tokenfleet.worker.cli", *args]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ChildProcess:
+    """``args`` run as a child process, stdout and stderr into ``log_path``.
+
+    ``env``: the child's whole environment when ``inherit_env`` is False, else added to this
+    process's. Invariant: after :meth:`close` the process has exited and the log is closed.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        *,
+        inherit_env: bool = True,
+    ) -> None:
+        self.log_path = log_path
+        full_env = {**os.environ, **(env or {})} if inherit_env else dict(env or {})
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            list(args), env=full_env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self, tail: int = 6000) -> str:
+        """The log's last ``tail`` characters."""
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")[-tail:]
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def check_alive(self, what: str) -> None:
+        """``AssertionError`` with the log when the process has exited (``what``: its name)."""
+        if self.proc.poll() is not None:
+            raise AssertionError(f"{what} exited early:\n{self.output()}")
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float = 60) -> int:
+        """Its exit code; ``AssertionError`` with the log if it runs past ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.log_path.stem} did not exit within {timeout_s}s:\n{self.output()}"
+            ) from None
+
+    def kill(self) -> None:
+        """SIGKILL, and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def close(self, grace_s: float = 0.0) -> None:
+        """Stop it: SIGTERM and up to ``grace_s`` to exit when ``grace_s`` > 0, then SIGKILL."""
+        if grace_s > 0 and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(grace_s)
+        self.kill()
+        self.log.close()
