@@ -38,6 +38,7 @@ from tokenfleet.producer import AsyncClient
 from tokenfleet.producer.gateway.batches.handle import submit_batch
 from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -110,7 +111,7 @@ async def ttft_during_batch(
     return idle, busy
 
 
-async def measure(args: argparse.Namespace, url: str, prefixes: dict[str, str]) -> None:
+async def measure(args: argparse.Namespace, url: str, prefixes: dict[str, str]) -> dict[str, str]:
     r = async_redis_client(Settings(redis_url=url))  # the pool size tokenfleet processes use
     clients = {
         name: AsyncClient(r, settings=Settings(redis_url=url, key_prefix=prefix))
@@ -158,6 +159,11 @@ async def measure(args: argparse.Namespace, url: str, prefixes: dict[str, str]) 
         p_idle, p_busy = percentile(idle, 50), percentile(busy, 50)
         label = "interactive TTFT p50 idle / in batch" + ("" if name == "yield" else ", no yield")
         print(f"{label:<50}{p_idle:>10.1f}{p_busy:>10.1f} ms  ratio {p_busy / p_idle:.2f}")
+    idle, busy = ttfts["yield"]  # the worker as shipped: the headline rows (RESULTS.md)
+    return {
+        "batch-throughput": f"{statistics.median(ratios):.3f}",
+        "batch-ttft": f"{percentile(busy, 50) / percentile(idle, 50):.2f}×",
+    }
 
 
 def main() -> None:
@@ -170,6 +176,7 @@ def main() -> None:
     parser.add_argument(
         "--no-compare", action="store_true", help="skip the worker with --no-batch-yield"
     )
+    add_record_flag(parser)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-batches-"))
     model = args.model
@@ -194,10 +201,12 @@ def main() -> None:
                     extra_args=worker_args[name],
                 )
                 fleets.append(fleet.start(300))
-            asyncio.run(measure(args, server.url, prefixes))
+            figures = asyncio.run(measure(args, server.url, prefixes))
         finally:
             for fleet in fleets:
                 fleet.stop()
+    if args.record:
+        record_figures(figures, benchmarks=Path(__file__).parent)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@ from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.redis_connect import redis_client
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.devtools.testing.local_cluster import LocalCluster
 
+HEADLINE_KEY = "cluster"  # its row in benchmarks/RESULTS.md
 PROMPT = "Summarise the following paragraph in one sentence: " + "lorem ipsum " * 20
 BATCH = 1000
 
@@ -165,6 +167,7 @@ def main() -> None:
     parser.add_argument("--producers", default="1,2,4")
     parser.add_argument("--per-producer-n", type=int, default=10_000)
     parser.add_argument("--repeats", type=int, default=3)
+    add_record_flag(parser)
     args = parser.parse_args()
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
@@ -207,6 +210,10 @@ def main() -> None:
             one, many = statistics.median(ones), statistics.median(manys)
             print(f"   {count:9d}   {one:24,.0f}   {many:27,.0f}   {len(owners)}")
     server.stop()
+    if args.record:  # the headline row (RESULTS.md): cluster ÷ standalone, bulk; end to end
+        e2e_ratio = med["cluster"] / med["standalone"]
+        figures = {HEADLINE_KEY: f"{ratio:.2f}; {e2e_ratio:.2f}"}
+        record_figures(figures, benchmarks=Path(__file__).parent)
 
 
 if __name__ == "__main__":

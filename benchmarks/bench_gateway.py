@@ -49,6 +49,7 @@ import orjson
 
 from tokenfleet.producer import AsyncClient
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 
@@ -189,7 +190,9 @@ async def rate_round(sides: Sides, side: str, total: int, concurrency: int) -> f
     return total / (time.perf_counter() - t0)
 
 
-async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_url: str) -> None:
+async def measure(
+    args: argparse.Namespace, redis_url: str, prefix: str, base_url: str
+) -> dict[str, str]:
     settings = Settings(redis_url=redis_url, key_prefix=prefix)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     pairs: list[float] = []  # gateway - python TTFT of one prompt, measured back to back
@@ -274,6 +277,15 @@ async def measure(args: argparse.Namespace, redis_url: str, prefix: str, base_ur
         f"{statistics.median(rate['python']):>10.1f}{statistics.median(rate['gateway']):>10.1f}"
         f"{statistics.median(rate['gateway']) / statistics.median(rate['python']):>12.3f}"
     )
+    # the headline rows (benchmarks/RESULTS.md), each written by the command that measures it
+    return {
+        "gateway-throughput": f"{statistics.median(ratios):.3f} "
+        f"(rounds {min(ratios):.3f}–{max(ratios):.3f})",
+        "gateway-ttft": f"{p50['gateway'] - p50['python']:+.2f} ms "
+        f"(paired p50 {percentile(pairs, 50):+.2f} ms)",
+        "gateway-sdk-keepalive": f"{len(sides.sdk_errors)} of {sides.sdk_streams} "
+        f"({sides.sdk_outlived} outlived it)",
+    }
 
 
 def main() -> None:
@@ -287,6 +299,7 @@ def main() -> None:
     parser.add_argument(
         "--keepalive-s", type=float, default=15.0, help="the gateway's SSE keep-alive interval"
     )
+    add_record_flag(parser)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     model = args.model
@@ -315,11 +328,13 @@ def main() -> None:
                     return False
 
             wait(gateway_up, "the gateway")
-            asyncio.run(measure(args, server.url, prefix, f"http://127.0.0.1:{port}"))
+            figures = asyncio.run(measure(args, server.url, prefix, f"http://127.0.0.1:{port}"))
         finally:
             gateway.terminate()
             gateway.wait(60)
             fleet.stop()
+    if args.record:
+        record_figures(figures, benchmarks=Path(__file__).parent)
 
 
 if __name__ == "__main__":

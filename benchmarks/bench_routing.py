@@ -44,6 +44,8 @@ from pathlib import Path
 import orjson
 import redis
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import percentile
 
@@ -268,6 +270,7 @@ def main() -> int:
     p.add_argument("--baselines", default="rr,off", help="sides to compare with: rr, off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--redis-url", default=None)
+    add_record_flag(p)
     args = p.parse_args()
 
     from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -298,6 +301,7 @@ def main() -> int:
         if server is not None:
             server.stop()
     print()
+    figures: dict[str, str] = {}
     for base in sides[1:]:
         heads = (f"TTFT p50 routed/{base}", f"throughput routed/{base}")
         print(f"{'round':>6} {heads[0]:>22} {heads[1]:>24}")
@@ -310,11 +314,18 @@ def main() -> int:
             f"{'median':>6} {statistics.median(ttft_r):>22.3f} {statistics.median(tput_r):>24.3f}"
         )
         print()
+        if base == "rr":  # the headline rows (benchmarks/RESULTS.md): routed ÷ round-robin
+            figures = {
+                "routing-ttft": f"{statistics.median(ttft_r):.3f}",
+                "routing-throughput": f"{statistics.median(tput_r):.2f}",
+            }
     if "off" in results:
         subs_on = [x for s in results["routed"] for x in s.submit_s]
         subs_off = [x for s in results["off"] for x in s.submit_s]
         on, off = percentile(subs_on, 50) * 1000, percentile(subs_off, 50) * 1000
         print(f"submit p50: routing on {on:.3f} ms, off {off:.3f} ms ({on / off:.3f}x)")
+    if args.record and figures:
+        record_figures(figures, benchmarks=Path(__file__).parent)
     return 0
 
 

@@ -186,3 +186,24 @@ def test_every_make_bench_script_records_rows_the_table_has() -> None:
         assert any(rows[k].command == default for k in keys), (
             f"make bench refreshes no {script} row"
         )
+
+
+def test_every_script_that_records_names_rows_its_command_measures() -> None:
+    # Every benchmark with --record (make bench's and the others), and every headline row: the
+    # script its command runs takes --record, so each figure can be refreshed by its command.
+    rows = bench_table.parse_table((ROOT / "benchmarks/RESULTS.md").read_text())
+    recording = {
+        path.name
+        for path in (ROOT / "benchmarks").glob("bench_*.py")
+        if "add_record_flag(" in path.read_text()
+    }
+    for script in sorted(recording):
+        keys = _headline_keys(ROOT / "benchmarks" / script)
+        assert keys, f"{script} takes --record but records no headline figure"
+        named = {r.key: r for r in rows if r.key in keys}
+        assert set(named) == keys, f"{script}: no row for {sorted(keys - set(named))}"
+        for key, row in named.items():
+            assert row.command.startswith(f"python benchmarks/{script}"), (key, script)
+    for row in rows:
+        script = row.command.split()[1].removeprefix("benchmarks/")
+        assert script in recording, f"{row.key}: {script} cannot record it (no --record)"
