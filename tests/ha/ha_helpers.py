@@ -10,6 +10,8 @@ from pathlib import Path
 
 import redis
 from child_process import ChildProcess, tokenfleet_args
+from waiting import DEADLINE_S as DEADLINE_S  # (re-exported: HA tests import both from here)
+from waiting import wait_for as wait_for
 
 from tokenfleet.shared.cluster_connection import fleet_slot
 from tokenfleet.shared.keys import Keys
