@@ -223,6 +223,9 @@ def test_a_requests_page_shows_its_tokens_as_they_arrive(admin: Visit) -> None:
     assert admin.errors == []
 
 
+LINES = 16
+
+
 def test_a_batchs_progress_advances(admin: Visit, keys: ConsoleKeys) -> None:
     from openai import OpenAI
 
@@ -233,9 +236,15 @@ def test_a_batchs_progress_advances(admin: Visit, keys: ConsoleKeys) -> None:
             "custom_id": f"line-{i}",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "default", "prompt": f"line {i}", "max_tokens": 24},
+            # long enough (2 run at a time) for the page's 0.5 s readings to catch it midway
+            "body": {
+                "model": "default",
+                "prompt": f"line {i}",
+                "max_tokens": 48,
+                "ignore_eos": True,
+            },
         }
-        for i in range(10)
+        for i in range(LINES)
     ]
     data = "\n".join(json.dumps(line) for line in lines).encode()
     upload = api.files.create(file=("lines.jsonl", io.BytesIO(data)), purpose="batch")
@@ -246,18 +255,28 @@ def test_a_batchs_progress_advances(admin: Visit, keys: ConsoleKeys) -> None:
     row = f"tr[data-batch='{batch.id}']"
     values: list[int] = []
 
+    # the row's status and progress read in one script run: htmx cannot swap the row between
+    # the two reads (read apart, a swap between them paired an old bar with a new status)
+    read_row = """row => {
+        const tr = document.querySelector(row);
+        if (!tr) return null;
+        return [tr.querySelector("[data-k='status']").innerText.trim(),
+                Number(tr.querySelector("progress").getAttribute("value") || 0)];
+    }"""
+
     def advancing() -> bool:
-        if page.locator(row).count() == 0:
+        got = page.evaluate(read_row, row)
+        if got is None:
             return False
-        done = int(page.locator(f"{row} progress").get_attribute("value") or 0)
+        status, done = got
         if not values or values[-1] != done:
             values.append(done)
-        return cell(page, row, "status") == "completed"
+        return status == "completed"
 
     until(advancing, "the batch to complete on the page")
-    assert values == sorted(values) and values[-1] == 10, values
-    assert len([v for v in values if 0 < v < 10]) >= 2, values  # seen advancing
-    assert (cell(page, row, "completed"), cell(page, row, "failed")) == ("10", "0")
+    assert values == sorted(values) and values[-1] == LINES, values
+    assert len([v for v in values if 0 < v < LINES]) >= 2, values  # seen advancing
+    assert (cell(page, row, "completed"), cell(page, row, "failed")) == (str(LINES), "0")
     admin.shot(page, "console-batch")
     assert admin.errors == []
 
