@@ -111,23 +111,40 @@ class SSEReader:
     finish: str | None = None
     errors: list[str] = field(default_factory=list)  # an error chunk, or the exception
     done_marks: int = 0  # [DONE] lines
+    refusals: list[int] = field(default_factory=list)  # statuses of POSTs refused before a byte
 
     def run(self, base_url: str) -> None:
+        """POST and read the stream; a refusal before any byte (503 or 429: the request was not
+        accepted, e.g. during the switch) is sent again after a pause, as the OpenAI SDKs do."""
         body = {"model": "default", "prompt": self.prompt, "max_tokens": self.max_tokens,
                 "stream": True, "temperature": 0, "ignore_eos": True}  # fmt: skip
+        deadline = time.monotonic() + READ_TIMEOUT_S
         try:
-            with httpx.stream(
-                "POST", base_url + "/v1/completions", json=body, timeout=READ_TIMEOUT_S
-            ) as resp:
-                event_id: str | None = None
-                for line in resp.iter_lines():
-                    if line.startswith("id:"):
-                        event_id = line[3:].strip()
-                    elif line.startswith("data:"):
-                        self._data(line[5:].strip(), event_id)
-                        event_id = None
+            while True:
+                with httpx.stream(
+                    "POST", base_url + "/v1/completions", json=body, timeout=READ_TIMEOUT_S
+                ) as resp:
+                    if resp.status_code in (429, 503) and time.monotonic() < deadline:
+                        self.refusals.append(resp.status_code)
+                        time.sleep(0.5)
+                        continue
+                    if resp.status_code != 200:
+                        resp.read()
+                        self.errors.append(f"HTTP {resp.status_code}: {resp.text}")
+                        return
+                    self._read(resp)
+                    return
         except BaseException as exc:  # checked by the test
             self.errors.append(repr(exc))
+
+    def _read(self, resp: httpx.Response) -> None:
+        event_id: str | None = None
+        for line in resp.iter_lines():
+            if line.startswith("id:"):
+                event_id = line[3:].strip()
+            elif line.startswith("data:"):
+                self._data(line[5:].strip(), event_id)
+                event_id = None
 
     def _data(self, data: str, event_id: str | None) -> None:
         if data == "[DONE]":
@@ -227,6 +244,7 @@ class ChaosFleet:
             assert not t.is_alive(), "a reader hangs"
         text_of: dict[tuple[str, int], str] = {}
         resubmitted = 0
+        refused = sum(len(s.refusals) for s in self.sse)
         for h in self.handles:
             rid = h.handle.request_id
             assert h.error is None, f"{rid}: {h.error!r}"
@@ -263,7 +281,7 @@ class ChaosFleet:
             f"[counts] {how}: {len(self.handles)} handle streams and {len(self.sse)} SSE streams "
             f"ended once, done, gap- and duplicate-free, equal to the greedy reference; "
             f"{repairs} request repairs putting back {repaired} tokens; {resubmitted} requests "
-            f"re-enqueued by their handles"
+            f"re-enqueued by their handles; {refused} SSE POSTs refused (503/429) and sent again"
         )
 
 

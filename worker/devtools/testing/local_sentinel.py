@@ -5,7 +5,9 @@ sentinels (``redis-server sentinel.conf --sentinel``) monitoring them as ``servi
 free 127.0.0.1 port with its own directory under one temporary folder. Failure detection is short
 (``down_after_ms``, default 1000 ms) so that a failover ends in a few seconds.
 
-Optionally the data nodes require a password (``password``: ``requirepass``, and ``masterauth``
+The data nodes run with ``min-replicas-to-write 1`` / ``min-replicas-max-lag 3`` (the safe
+default of docs/redis-modes.md; ``min_replicas_to_write=0`` turns it off). Optionally the data
+nodes require a password (``password``: ``requirepass``, and ``masterauth``
 for replication), the sentinels one of their own (``sentinel_password``), and the data nodes
 speak TLS only (``tls``: files from ``local_tls.make_certs``; replication and the sentinels'
 connections to them use TLS too), and then the sentinels too (TLS port only: with
@@ -50,7 +52,14 @@ class LocalSentinel:
         password: str = "",
         sentinel_password: str = "",
         tls: TlsFiles | None = None,
+        min_replicas_to_write: int = 1,
+        min_replicas_max_lag: int = 3,
     ) -> None:
+        # the safe default (docs/redis-modes.md, "What each setting guarantees"): a primary cut
+        # off from its replica refuses writes after about ``min_replicas_max_lag`` seconds
+        # instead of acknowledging writes a failover discards; 0 turns it off
+        self.min_replicas_to_write = min_replicas_to_write
+        self.min_replicas_max_lag = min_replicas_max_lag
         self.password = password
         self.sentinel_password = sentinel_password
         self.tls = tls
@@ -203,6 +212,9 @@ class LocalSentinel:
         node_dir.mkdir(exist_ok=True)  # (a restarted node: its folder is there)
         args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(node_dir)]  # fmt: skip
+        if self.min_replicas_to_write:  # (a replica keeps it too: it applies once promoted)
+            args += ["--min-replicas-to-write", str(self.min_replicas_to_write),
+                     "--min-replicas-max-lag", str(self.min_replicas_max_lag)]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password, "--masterauth", self.password]
         if self.tls is not None:  # TLS only: the plain port closed, replication over TLS
