@@ -78,6 +78,25 @@ def test_sentinel_failover_with_the_defaults_loses_nothing(
         _run(fleet, switch, reference)
 
 
+def test_sentinel_failover_without_min_replicas_loses_nothing(
+    tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+) -> None:
+    """The setup the issue was found on: no ``min-replicas-to-write`` either, so the demoted
+    primary takes writes until the sentinels turn it into a replica; they are discarded then,
+    and the workers put them back."""
+    reference = reference_runs(ref_engine)
+    with LocalSentinel(service="tfnominrep", min_replicas_to_write=0) as setup:
+        _, ctx = _sentinel_fleet(setup, "hadn", tiny_llama_dir, tmp_path)
+        with ctx as fleet:
+
+            def switch() -> str:
+                old = setup.primary_port()
+                new = setup.failover()
+                return f"SENTINEL FAILOVER {old} -> {new}, no min-replicas-to-write"
+
+            _run(fleet, switch, reference)
+
+
 def test_a_killed_sentinel_primary_with_the_defaults_loses_nothing(
     tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
 ) -> None:

@@ -16,6 +16,7 @@ builds a step's events, so once built they are always queued.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -186,7 +187,18 @@ class Outbox:
             Target(job, job.events) for rid, job in self.table.jobs.items() if rid not in skip
         ]
         ended = [t for t in self.ledger.targets() if t.request_id not in skip]
+        started = time.perf_counter()
         outcomes = self.repairer.check(running + ended)
+        changed = sum(o.kind != "intact" for o in outcomes.values())
+        log.info(
+            "worker %s: repair pass: %d running and %d ended requests checked, %d needed "
+            "something, in %.1f ms",
+            self.worker_name,
+            len(running),
+            len(ended),
+            changed,
+            (time.perf_counter() - started) * 1000,
+        )
         for target in running:
             self._settle(target.job, outcomes[target.request_id])
         for target in ended:
