@@ -8,7 +8,8 @@ remember the mark:
   they use into the suite's own helpers (functions and classes defined under ``tests/``), and
   answers whether they reach a process starter (:data:`STARTERS`: ``subprocess``,
   ``multiprocessing``, :class:`child_process.ChildProcess`, the local Redis, Sentinel, Cluster and
-  fleet harnesses). tests/conftest.py marks each such test ``slow``.
+  fleet harnesses; and :class:`thread_worker.ThreadWorker`, a worker in a thread, which loads a
+  model as a worker process does). tests/conftest.py marks each such test ``slow``.
 * What that reading cannot see (a process started inside the package's own code, say) the guard
   catches as it happens: while a test not marked ``slow`` runs, starting a process raises
   :class:`UnmarkedProcess` (:func:`guarded`). The fast tier therefore proves itself: it passes
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from child_process import ChildProcess
+from thread_worker import ThreadWorker
 
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -43,6 +45,7 @@ STARTER_CLASSES: tuple[type, ...] = (
     LocalFleet,
     LocalSentinel,
     LocalCluster,
+    ThreadWorker,  # no process, but a worker loading its model: as slow as one, nearly
 )
 
 

@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 from waiting import DEADLINE_S, wait_for
@@ -43,6 +44,7 @@ class ThreadWorker:
         from tokenfleet.worker.commands.worker import build_settings
         from tokenfleet.worker.engine.engine import Engine
         from tokenfleet.worker.service import WorkerService
+        from tokenfleet.worker.service.metrics import WorkerMetrics
 
         self.name = name
         self.keys = Keys(prefix)
@@ -55,7 +57,11 @@ class ThreadWorker:
         self._handler.addFilter(lambda record: name in record.getMessage())
         logging.getLogger("tokenfleet").addHandler(self._handler)
         engine = Engine(model_dir, **ws.engine_overrides())
-        self.service = WorkerService(engine, settings, ws)
+        metrics = WorkerMetrics(ws.model_name)  # as the command does (worker/commands/worker.py)
+        self._http: Any = None
+        if ws.metrics_port is not None:
+            self._http = metrics.serve(ws.metrics_port)  # (server, thread): shut down at close
+        self.service = WorkerService(engine, settings, ws, metrics=metrics)
         self.exit_code: int | None = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}", daemon=True)
         self._thread.start()
@@ -86,5 +92,9 @@ class ThreadWorker:
             self.service.request_stop()  # a second request: hand back at once
             self._thread.join(timeout_s / 2)
         logging.getLogger("tokenfleet").removeHandler(self._handler)
+        if self._http is not None:
+            server = self._http[0] if isinstance(self._http, tuple) else self._http
+            server.shutdown()
+            server.server_close()
         if self._thread.is_alive():
             raise AssertionError(f"worker {self.name} did not stop:\n{self.output()}")

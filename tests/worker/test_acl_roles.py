@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import orjson
 import pytest
 import redis
 from acl_roles_doc import documented_acl_commands
+from child_process import ChildProcess, tokenfleet_args
 from worker_helpers import WorkerProc, make_intake, wait_for
 
 from tokenfleet.producer import Client
@@ -130,12 +130,9 @@ def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
     rr.acl_log_reset()
     w = WorkerProc(tiny_model_dir, urls["tf-worker"], PREFIX, "acl-gw-w", tmp_path)
     port = free_port()
-    log = open(tmp_path / "gateway.log", "wb")  # noqa: SIM115 - closed below
-    env = {**os.environ, "REDIS_URL": urls["tf-gateway"], "TOKENFLEET_KEY_PREFIX": PREFIX}
+    env = {"REDIS_URL": urls["tf-gateway"], "TOKENFLEET_KEY_PREFIX": PREFIX}
     args = ["serve", "--port", str(port), "--auth", "required", "--log-level", "warning"]
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "tokenfleet.worker.cli", *args], env=env, stdout=log, stderr=log
-    )
+    gateway = ChildProcess(tokenfleet_args(*args), tmp_path / "gateway.log", env)
     try:
         w.wait_ready(rr)
         admin = ApiKeyAdmin(
@@ -146,7 +143,7 @@ def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
         base = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
-            assert gateway.poll() is None, (tmp_path / "gateway.log").read_text()
+            gateway.check_alive("the gateway")
             try:
                 return httpx.get(base + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
@@ -198,9 +195,9 @@ def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
         assert orjson.loads(content.content.splitlines()[0])["custom_id"] == "acl-1"
         assert _acl_denials(rr, USERS) == []
     finally:
-        gateway.terminate()
+        gateway.signal(signal.SIGTERM)
         gateway.wait(30)
-        log.close()
+        gateway.close()
         w.close()
     assert b"NOPERM" not in (tmp_path / "gateway.log").read_bytes()
 

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from worker_helpers import WorkerProc, wait_for
+from thread_worker import ThreadWorker
+from worker_helpers import wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
@@ -106,8 +107,8 @@ def test_a_worker_counts_how_each_request_it_started_came(
     prefix, port = "tmr", free_port()
     keys = Keys(prefix)
     rr = redis.Redis.from_url(redis_server.url)
-    worker = WorkerProc(
-        tiny_model_dir, redis_server.url, prefix, "mr-1", tmp_path, "--metrics-port", str(port)
+    worker = ThreadWorker(  # (nothing signals it: a thread of this process)
+        tiny_model_dir, redis_server.url, prefix, "mr-1", "--metrics-port", str(port)
     )
     try:
         worker.wait_ready(rr)

@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
-from worker_helpers import WorkerProc, enqueue, make_request, wait_for
+from thread_worker import ThreadWorker
+from worker_helpers import enqueue, make_request, wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
@@ -79,8 +80,8 @@ def test_status_lists_each_model_with_its_workers_and_counts_routed_work_once(
     keys = Keys(prefix)
     settings = Settings(redis_url=redis_server.url, key_prefix=prefix)
     rr = redis.Redis.from_url(redis_server.url)
-    worker = WorkerProc(
-        tiny_model_dir, redis_server.url, prefix, "st-real", tmp_path, "--model-name", "st-live"
+    worker = ThreadWorker(  # (nothing signals it: a thread of this process)
+        tiny_model_dir, redis_server.url, prefix, "st-real", "--model-name", "st-live"
     )
     try:
         worker.wait_ready(rr)

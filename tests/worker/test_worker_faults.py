@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from thread_worker import ThreadWorker
 from worker_helpers import (
     WorkerProc,
     enqueue,
@@ -70,7 +71,8 @@ def test_critical_requests_behind_50_batch_ones_get_their_first_token_first(
         enqueue(rr, keys, make_request(rid, priority=Priority.BATCH, sampling=small))
     for rid in critical:
         enqueue(rr, keys, make_request(rid, priority=Priority.CRITICAL, sampling=small))
-    w = WorkerProc(tiny_model_dir, redis_server.url, "tfp", "p-1", tmp_path, "--max-num-seqs", "2")
+    # nothing signals this one: a thread of this process
+    w = ThreadWorker(tiny_model_dir, redis_server.url, "tfp", "p-1", "--max-num-seqs", "2")
     try:
         w.wait_ready(rr)
         recs = {rid: wait_terminal(rr, keys, rid) for rid in critical + batch}
