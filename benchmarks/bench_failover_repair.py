@@ -11,9 +11,10 @@ started again on the same port. Two sides, alternating, each round a fresh serve
   goes on for ``--after-s`` seconds, then the restart loads the snapshot: every list is short,
   every record older, and the worker repairs all 32 from its memory before it publishes again.
 
-Per round: ``flowing`` = the time from Redis answering again (``RedisServer.restart`` returned)
-until every stream has received an index it did not have at the kill; ``pass`` = the worker's
-repair pass (its log: the read round trip and one ``REPAIR`` per request needing it). Every
+Per round: ``flowing`` = the time from the worker's reconnect (its log line "Redis answers
+again", wall clock, ms) until every stream has received an index it did not have at the kill;
+``pass`` = the worker's repair pass (its log: the read round trip and one ``REPAIR`` per request
+needing it). Every
 request must end ``done`` with all its tokens (else the round fails). Run::
 
     .venv/bin/python benchmarks/bench_failover_repair.py            # 3 rounds of each side
@@ -22,6 +23,7 @@ request must end ``done`` with all its tokens (else the round fails). Run::
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import statistics
@@ -39,10 +41,12 @@ from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.schema import TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 PREFIX = "bench-repair"
 NUM_REQUESTS = 32
+_BACK = re.compile(r"^(\S+ \S+) WARNING .*Redis answers again", re.MULTILINE)
 _PUT_BACK = re.compile(r"after a Redis rollback: (\d+) tokens put back")
 _PASS = re.compile(
     r"repair pass: (\d+) running and (\d+) ended .*?, (\d+) needed something, in ([\d.]+) ms"
@@ -64,7 +68,7 @@ class Stream:
         try:
             for event in self.handle.stream(timeout=600):
                 if isinstance(event, TokenEvent):
-                    self.seen.append((event.index, time.monotonic()))
+                    self.seen.append((event.index, time.time()))
                 else:
                     self.end = event
         except BaseException as exc:  # reported by the round
@@ -115,16 +119,16 @@ def one_round(
             assert max(had) < max_tokens, "a stream ended before the restart: raise --max-tokens"
             r.close()
             server.restart()
-            back = time.monotonic()
             pairs = list(zip(streams, had, strict=True))
             _wait(lambda: all(s.first_after(h) for s, h in pairs), "streams flowing", 300)
-            flowing = max(s.first_after(h) or 0.0 for s, h in pairs) - back
+            flowing_at = max(s.first_after(h) or 0.0 for s, h in pairs)
             for s in streams:
                 s.thread.join(600)
                 assert s.error is None, repr(s.error)
                 assert s.end is not None and s.end.status == "done", s.end
                 assert [i for i, _ in s.seen] == list(range(max_tokens))
         text = log_path.read_text(errors="replace")
+        flowing = flowing_at - _reconnected_at(text)
         passes = [m.groups() for m in _PASS.finditer(text)]
         repaired_ms = [float(p[3]) for p in passes if int(p[2])]
         return {
@@ -141,6 +145,14 @@ def one_round(
         server.stop()
 
 
+def _reconnected_at(worker_log: str) -> float:
+    """When the worker found Redis back (epoch seconds, from its log line's time)."""
+    stamps = _BACK.findall(worker_log)
+    if not stamps:
+        raise RuntimeError("the worker's log has no 'Redis answers again' line")
+    return datetime.datetime.strptime(stamps[-1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
 def _wait(predicate: Any, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -154,6 +166,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--after-s", type=float, default=1.0, help="run time after the snapshot")
+    add_record_flag(parser)
     args = parser.parse_args()
     from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
@@ -176,6 +189,21 @@ def main() -> None:
             f"{side:>9}: flowing again after median {statistics.median(flows):.3f} s "
             f"(max {max(flows):.3f}); repair pass median {statistics.median(passes):.1f} ms"
         )
+    if args.record:
+        record_figures({HEADLINE_KEY: headline(rows)}, benchmarks=Path(__file__).parent)
+
+
+HEADLINE_KEY = "failover-repair"  # its row in benchmarks/RESULTS.md
+
+
+def headline(rows: dict[str, list[dict[str, float]]]) -> str:
+    """The ``today`` cell: snapshot side's flowing-again time and repair pass, aof side's time."""
+    snap, aof = rows["snapshot"], rows["aof"]
+    med = statistics.median
+    return (
+        f"{med(r['flowing_s'] for r in snap):.2f} s (pass {med(r['pass_ms'] for r in snap):.0f} "
+        f"ms); no repair {med(r['flowing_s'] for r in aof):.2f} s"
+    )
 
 
 if __name__ == "__main__":
