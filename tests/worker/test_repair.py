@@ -10,11 +10,16 @@ import redis
 from worker_helpers import enqueue, make_intake, make_request, record, subscribe, token_events
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, TokenEvent
 from tokenfleet.shared.settings import Settings
-from tokenfleet.worker.intake.jobs import Job, record_published
+from tokenfleet.worker.intake.jobs import Entry, Job, record_published
 from tokenfleet.worker.publish.publisher import Finish, Publisher
+from tokenfleet.worker.service.adapter import StepEvents
+from tokenfleet.worker.service.metrics import WorkerMetrics
+from tokenfleet.worker.service.outbox import Outbox
 from tokenfleet.worker.service.repair import FinishedLedger, Repairer, Target
+from tokenfleet.worker.service.run_table import RunTable
 
 W = "w1"
 
@@ -25,6 +30,10 @@ def _start(r: redis.Redis, settings: Settings, keys: Keys, rids: list[str]) -> l
     intake = make_intake(r, settings, worker_name=W)
     jobs, _ = intake.starter.start(intake.streams.pull(len(rids)))
     return sorted(jobs, key=lambda j: rids.index(j.request_id))
+
+
+def _event(job: Job, i: int) -> TokenEvent:
+    return TokenEvent(job.request_id, i, 100 + i, f"<{i}>")
 
 
 def _publish(publisher: Publisher, job: Job, count: int) -> None:
@@ -171,3 +180,81 @@ def test_another_worker_further_along_keeps_it_and_a_divergent_list_is_named(
     assert outs["div"].kind == "divergent" and "index 1" in outs["div"].why
     assert len(token_events(r, keys, "ahead")) == 3  # nothing written for either
     assert token_events(r, keys, "div")[1].text == "other"
+
+
+class _Engine:
+    """The engine side the outbox touches here: which runs it aborted."""
+
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def _outbox(r: redis.Redis, settings: Settings, keys: Keys, table: RunTable) -> tuple[Outbox, Any]:
+    engine = _Engine()
+    metrics = WorkerMetrics("default")
+    publisher = Publisher(r, settings, model_name="default", worker_name=W)
+    repairer = Repairer(r, keys, worker_name=W, ttl_s=3600, metrics=metrics)
+    outbox = Outbox(
+        publisher,
+        table,
+        engine,  # type: ignore[arg-type]
+        metrics,
+        None,
+        worker_name=W,
+        repairer=repairer,
+        ledger=FinishedLedger(300.0),
+    )
+    return outbox, engine
+
+
+def test_a_step_that_finds_its_list_rolled_back_is_repaired_and_goes_on(
+    r: redis.Redis, settings: Settings, keys: Keys
+) -> None:
+    """The outbox's side: a publish answers ``corrupt`` (the list is shorter than the worker
+    left it) or ``lost`` (the record is back at ``queued``); the outbox repairs and applies the
+    step as if nothing had happened, and repairs the request it ended too (a rollback takes
+    everything); nothing ends ``error``, nothing is aborted."""
+    run, ended = _start(r, settings, keys, ["run", "end"])
+    table = RunTable()
+    table.run(run)
+    table.run(ended)
+    outbox, engine = _outbox(r, settings, keys, table)
+    step = StepEvents(tokens=[(job, [_event(job, i) for i in range(3)]) for job in (run, ended)])
+    outbox.send_step(step)
+    event = TerminalEvent("end", TerminalStatus.DONE, num_tokens=3, finish_reason="length")
+    outbox.send_step(StepEvents(finishes=[(ended, event, [])]))
+    outbox.flush()
+    assert "end" not in table.jobs and len(outbox.ledger) == 1
+    r.ltrim(keys.tokens("run"), 0, 0)  # the rollback
+    r.hset(keys.record("end"), mapping={"status": "running", "worker": W})
+    r.ltrim(keys.tokens("end"), 0, 1)
+    outbox.send_step(StepEvents(tokens=[(run, [_event(run, 3)])]))
+    outbox.flush()
+    assert run.num_published == 4 and "run" in table.jobs and not engine.aborted
+    assert [e.index for e in token_events(r, keys, "run")] == [0, 1, 2, 3]
+    rec = record(r, keys, "end")
+    assert rec is not None and rec.status == "done" and len(token_events(r, keys, "end")) == 3
+    assert outbox.repairer is not None and outbox.repairer.repaired == 2
+
+
+def test_the_finished_ledger_keeps_ends_for_its_window_only() -> None:
+    now = [100.0]
+    ledger = FinishedLedger(10.0, clock=lambda: now[0])
+    jobs = [
+        Job(Entry("s", Priority.NORMAL, f"{i}-0", {}), make_request(f"r{i}"), 1) for i in range(3)
+    ]
+    event = TerminalEvent("r0", TerminalStatus.DONE)
+    for i, job in enumerate(jobs):
+        now[0] = 100.0 + 4 * i  # ended at 100, 104, 108
+        ledger.add(job, Finish(event, Priority.NORMAL, job.entry.entry_id, "", "s"))
+    now[0] = 112.0  # r0 ended 12 s ago: past the window
+    assert [t.request_id for t in ledger.targets()] == ["r1", "r2"]
+    ledger.forget("r1")
+    assert [t.request_id for t in ledger.targets()] == ["r2"]
+    off = FinishedLedger(0.0)
+    off.add(jobs[0], Finish(event, Priority.NORMAL, "0-0", "", "s"))
+    assert len(off) == 0
