@@ -143,7 +143,7 @@ def test_a_gateway_with_api_keys_runs_as_the_gateway_user(
         base = f"http://127.0.0.1:{port}"
 
         def up() -> bool:
-            gateway.check_alive("the gateway")
+            assert gateway.alive(), gateway.output()
             try:
                 return httpx.get(base + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
