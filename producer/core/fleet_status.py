@@ -155,6 +155,8 @@ def lane_tenants(keys: Keys, queues: list[dict[str, Any]]) -> Plan[list[dict[str
     admitted, served tokens and virtual time (docs/fairness.md); "running" is added from the
     heartbeats. Bounded by the tenants in the books: one HGETALL per model, one ZRANGE per
     queue and one XLEN per active tenant's queue."""
+    if not queues:  # (a lane listed before its queues were read: a transaction needs a key)
+        return []
     models = sorted({q["model"] for q in queues})
     levels = [(q["model"], Priority.parse(q["priority"])) for q in queues]
     reads = yield Transaction(

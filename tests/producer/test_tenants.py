@@ -79,3 +79,16 @@ def test_tenants_set_and_list(
     assert "acme" in capsys.readouterr().out
     assert main(["tenants", "set", "acme", "--weight", "0", *url]) == 1
     assert "weight must be" in capsys.readouterr().err
+
+
+def test_a_lane_without_queues_reads_no_tenants() -> None:
+    """On a cluster the lanes are listed twice per reading (its queues, then lane by lane), each
+    time through a cache of up to 1 s: a lane can come with no queue read for it. Its tenant
+    rows are then none, asked with no round trip (an empty transaction has no key to route by:
+    the console's status.json answered 500 on a cluster)."""
+    from tokenfleet.producer.core.fleet_status import lane_tenants
+
+    plan = lane_tenants(Keys("t", cluster=True, lane="m"), [])
+    with pytest.raises(StopIteration) as ended:
+        next(plan)
+    assert ended.value.value == []
