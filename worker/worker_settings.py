@@ -123,7 +123,7 @@ class WorkerSettings:
         env="TOKENFLEET_KV_BLOCKS",
         flag="--kv-blocks",
         group="kv_size",
-        shown_default="the engine's",
+        shown_default="max-num-seqs x kv-tokens-per-seq tokens",
         help="KV cache size in blocks (give this or the KV memory, not both)",
     )
     kv_memory_bytes: int | None = setting(
@@ -134,8 +134,15 @@ class WorkerSettings:
         group="kv_size",
         parse=parse_memory,
         syntax="memory: 512M, 4GiB, 1.5G or bytes",
-        shown_default="the engine's",
+        shown_default="max-num-seqs x kv-tokens-per-seq tokens",
         help="KV cache size in memory, e.g. 512M or 4GiB (binary units)",
+    )
+    kv_tokens_per_seq: int = setting(
+        512,
+        env="TOKENFLEET_KV_TOKENS_PER_SEQ",
+        flag="--kv-tokens-per-seq",
+        help="when no KV size is given, the KV cache holds max-num-seqs times this many tokens "
+        "(a full batch of typical chats), but at most half the memory free at start",
     )
     block_size: int = setting(
         16, env="TOKENFLEET_BLOCK_SIZE", flag="--block-size", help="tokens per KV block"
@@ -297,7 +304,13 @@ class WorkerSettings:
                 "give either --kv-blocks or --kv-memory (TOKENFLEET_KV_BLOCKS or "
                 "TOKENFLEET_KV_MEMORY), not both"
             )
-        for name in ("max_num_seqs", "max_batched_tokens", "block_size", "poison_limit"):
+        for name in (
+            "max_num_seqs",
+            "max_batched_tokens",
+            "kv_tokens_per_seq",
+            "block_size",
+            "poison_limit",
+        ):
             _check_positive(name, getattr(self, name))
         for name in ("kv_blocks", "kv_memory_bytes", "max_model_len", "threads"):
             if getattr(self, name) is not None:
@@ -356,6 +369,7 @@ class WorkerSettings:
         out: dict[str, Any] = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_batched_tokens,
+            "kv_tokens_per_seq": self.kv_tokens_per_seq,
             "block_size": self.block_size,
             "dtype": self.dtype,
             "background_yields": self.batch_yields,

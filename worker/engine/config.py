@@ -11,12 +11,14 @@ from tokenfleet.worker.engine.scheduler import SchedulerConfig
 
 @dataclass(slots=True)
 class EngineConfig:
-    """Engine settings. ``None`` means "derive it": the KV pool from the device's free memory (the
-    model runner decides), ``max_model_len`` from the model config capped by the pool."""
+    """Engine settings. ``None`` means "derive it": the KV pool holds ``max_num_seqs *
+    kv_tokens_per_seq`` tokens, capped by the device's free memory (the model runner decides),
+    ``max_model_len`` from the model config capped by the pool."""
 
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # KV pool size in blocks ...
     kv_memory_bytes: int | None = None  # ... or in bytes (give at most one of the two)
+    kv_tokens_per_seq: int = 512  # default KV pool: this many tokens per running request
     max_num_seqs: int = 32  # running requests at most
     max_num_batched_tokens: int = 512  # tokens computed per step at most (chunked prefill)
     max_model_len: int | None = None  # prompt + output tokens per request at most
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
         if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
+        if self.kv_tokens_per_seq < 1:
+            raise ValueError(f"kv_tokens_per_seq must be >= 1, got {self.kv_tokens_per_seq}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         # the scheduler's own checks, raised now rather than at model load (the engine derives
@@ -55,6 +59,23 @@ class EngineConfig:
             background_yields=self.background_yields,
             max_yield_steps=self.max_yield_steps,
         )
+
+    @property
+    def default_kv_tokens(self) -> int:
+        """Tokens the KV pool holds when neither blocks nor bytes are given (before the cap)."""
+        return self.max_num_seqs * self.kv_tokens_per_seq
+
+    def runner_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ModelRunner`` (besides the model)."""
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_memory_bytes": self.kv_memory_bytes,
+            "default_kv_tokens": self.default_kv_tokens,
+            "max_model_len": self.max_model_len,
+        }
 
 
 def with_overrides(config: EngineConfig, overrides: dict[str, Any]) -> EngineConfig:

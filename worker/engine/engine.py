@@ -108,15 +108,7 @@ class Engine:
 
         from tokenfleet.worker.engine.model_runner import ModelRunner
 
-        runner = ModelRunner(
-            os.fspath(model),
-            device=config.device,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            kv_memory_bytes=config.kv_memory_bytes,
-            max_model_len=config.max_model_len,
-        )
+        runner = ModelRunner(os.fspath(model), **config.runner_kwargs())
         self._setup(runner, AutoTokenizer.from_pretrained(os.fspath(model)), config)
 
     @classmethod

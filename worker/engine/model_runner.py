@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
+from tokenfleet.worker.engine.kv_sizing import DEFAULT_KV_TOKENS, kv_pool_blocks
 from tokenfleet.worker.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
     IGNORED_KWARGS,
@@ -27,7 +28,6 @@ from tokenfleet.worker.engine.paged_attention import (
     paged_attention_forward,
 )
 
-DEFAULT_KV_MEMORY_BYTES = 256 * 1024 * 1024  # pool size when neither blocks nor bytes are given
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -102,6 +102,9 @@ def _resolve_dtype(dtype: str, device: torch.device, config: Any = None) -> torc
 class ModelRunner:
     """Owns the model and its paged KV cache; ``execute`` runs one scheduled step.
 
+    The KV pool is ``num_kv_blocks`` blocks, else ``kv_memory_bytes`` worth, else (the default)
+    ``default_kv_tokens`` tokens capped by the device's free memory (``kv_sizing``).
+
     Invariants:
         * ``num_kv_blocks * block_size >= max_model_len`` (one longest sequence always fits).
         * Every decoder layer of ``model`` calls the paged attention function once per forward
@@ -117,6 +120,7 @@ class ModelRunner:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
+        default_kv_tokens: int = DEFAULT_KV_TOKENS,
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
     ) -> None:
@@ -157,7 +161,9 @@ class ModelRunner:
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)
         per_block = self.kv_bytes_per_block(self.config, block_size, self.dtype)
         if num_kv_blocks is None:
-            num_kv_blocks = (kv_memory_bytes or DEFAULT_KV_MEMORY_BYTES) // per_block
+            num_kv_blocks = kv_pool_blocks(
+                per_block, block_size, kv_memory_bytes, default_kv_tokens, self.device
+            )
         max_positions = getattr(_text_config(self.config), "max_position_embeddings", None)
         if max_model_len is None:
             max_model_len = min(
