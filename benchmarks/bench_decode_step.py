@@ -13,8 +13,13 @@ every sequence opens a new KV block once per cycle, as in a real decode.
   past_key_values=DynamicCache)`` on the left-padded batch, default attention (sdpa) and eager;
   the cache is cropped back after each cycle (untimed).
 
-Every side computes the same logits (checked first). Repetitions are interleaved and their order
-alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; medians after warm-up.
+* tokenfleet, quantized (``--quantization``, default int4; ``none`` leaves the side out): the
+  same runner with its linear layers executed as int4/int8 weights (issue 31); its logits differ
+  from the others by that rounding (the difference is printed, not required to be zero).
+
+Every other side computes the same logits (checked first). Repetitions are interleaved and
+their order alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; medians
+after warm-up.
 
     .venv/bin/python benchmarks/bench_decode_step.py          # 32 seqs x ~128 tokens, 2 threads
     .venv/bin/python benchmarks/bench_decode_step.py --threads 1 --clock cpu   # on a busy machine
@@ -66,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--quantization",
+        default="int4",
+        choices=("none", "int8", "int4", "auto"),
+        help="the quantized tokenfleet side's mode (none: no such side)",
+    )
+    parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
@@ -83,6 +94,7 @@ def tokenfleet_side(
     args: argparse.Namespace,
     *,
     shuffled: bool,
+    quantization: str = "none",
 ) -> Side:
     from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
     from tokenfleet.worker.engine.block_manager import BlockManager
@@ -92,7 +104,7 @@ def tokenfleet_side(
     per_seq = -(-(max(lengths) + bs) // bs)
     pool = 2 * batch * per_seq
     runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=bs,
-                         num_kv_blocks=pool)  # fmt: skip
+                         num_kv_blocks=pool, quantization=quantization)  # fmt: skip
     if shuffled:  # worst case: no two consecutive blocks of a table adjacent in memory
         blocks = list(range(pool))
         random.Random(args.seed).shuffle(blocks)
@@ -123,6 +135,8 @@ def tokenfleet_side(
         phase[0] = (phase[0] + 1) % bs
         return runner.execute(StepBatch(list(seqs)))  # a fresh batch per step, as in the engine
 
+    if quantization != "none":
+        return Side(f"tokenfleet, {runner.quantization.applied}", step)
     return Side("tokenfleet, shuffled tables" if shuffled else OURS, step)
 
 
@@ -208,6 +222,12 @@ def measure(
         tokenfleet_side(model_dir, prompts, lengths, args, shuffled=shuffled)
         for shuffled in (False, True)
     ]
+    if args.quantization != "none":
+        sides.append(
+            tokenfleet_side(
+                model_dir, prompts, lengths, args, shuffled=False, quantization=args.quantization
+            )
+        )
     sides += [
         hf_side(model_dir, impl, prompts, lengths, args.block_size) for impl in ("sdpa", "eager")
     ]

@@ -6,6 +6,8 @@ replayed in real time against three sides, one after the other in one process:
 
 * ``ours``: ``Engine.step()`` in a loop, requests added as they arrive (continuous batching,
   chunked prefill, paged KV cache, prefix caching on).
+* ``ours-int4``: the same engine with its linear layers executed as int4 weights
+  (``quantization="int4"``, issue 31; on a float model they are quantized at load).
 * ``hf-static``: ``model.generate`` on static batches of 32 formed in arrival order; a batch
   starts when its last member has arrived and the previous batch is done, left-padded, and runs
   until its longest member ends (``min_new_tokens = max_new_tokens``: EOS ignored).
@@ -91,14 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of all sides, alternating")
     parser.add_argument(
-        "--sides", default="ours,hf-static,hf-cb", help="comma-separated: ours, hf-static, hf-cb"
+        "--sides",
+        default="ours,ours-int4,hf-static,hf-cb",
+        help="comma-separated: ours, ours-int4, hf-static, hf-cb",
     )
     add_record_flag(parser)
     return parser
 
 
 def run_ours(
-    model_dir: Path, wl: Workload, args: argparse.Namespace, num_kv_blocks: int
+    model_dir: Path,
+    wl: Workload,
+    args: argparse.Namespace,
+    num_kv_blocks: int,
+    quantization: str = "none",
 ) -> SideResult:
     from tokenfleet.worker.engine.engine import Engine, EngineConfig
     from tokenfleet.worker.engine.request import SamplingParams
@@ -113,11 +121,12 @@ def run_ours(
             device="cpu",
             dtype="float32",
             max_wait_s=None,
+            quantization=quantization,
         ),
     )
     engine.generate([[7] * 40] * 4, SamplingParams(temperature=0, max_tokens=8))  # warm-up
     engine.block_manager.reset_prefix_cache()
-    res = SideResult("ours")
+    res = SideResult("ours" if quantization == "none" else f"ours-{quantization}")
     pending = deque(wl.requests)
     start = time.time()
     last_finish = start
@@ -352,6 +361,7 @@ def main() -> None:
         )
         sides: dict[str, Callable[[], SideResult]] = {
             "ours": lambda: run_ours(model_dir, wl, args, num_kv_blocks),
+            "ours-int4": lambda: run_ours(model_dir, wl, args, num_kv_blocks, "int4"),
             "hf-static": lambda: run_hf_static(model_dir, wl, args),
             "hf-cb": lambda: run_hf_cb(model_dir, wl, args, num_kv_blocks),
         }

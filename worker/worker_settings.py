@@ -21,6 +21,7 @@ from tokenfleet.shared.declared_settings import env_names, label, setting
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
+from tokenfleet.worker.engine.config import check_quantization
 from tokenfleet.worker.pool.config import weight_milli
 
 # Fixed on purpose, not settings (nobody running a fleet has a reason to turn them):
@@ -105,6 +106,15 @@ class WorkerSettings:
         help="auto, float32, bfloat16 or float16; auto follows the model's dtype on CUDA "
         "(bfloat16 becomes float16 where unsupported) and runs float32 on a CPU (16-bit CPU "
         "matmuls are slower)",
+    )
+    quantization: str = setting(
+        "none",
+        env="TOKENFLEET_QUANTIZATION",
+        flag="--quantization",
+        help="how linear weights are executed on a CPU: none (as loaded), int8 or int4 "
+        "(weight-only, quantized at load), auto (a GGUF file's own precision: Q4_x -> int4, "
+        "Q8_0 -> int8, float -> none)",
+        see=("Quantization", "quantization.md"),
     )
     max_num_seqs: int = setting(
         32,
@@ -294,6 +304,7 @@ class WorkerSettings:
             self.model_name = self.overflow_for
         for name in ("steal_after_s", "overflow_after_s"):
             _check_at_least_0(name, getattr(self, name))
+        _check("quantization", check_quantization, self.quantization)
         if not self.model:
             raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
         named = "overflow_for" if self.overflow_for is not None else "model_name"
@@ -372,6 +383,7 @@ class WorkerSettings:
             "kv_tokens_per_seq": self.kv_tokens_per_seq,
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "quantization": self.quantization,
             "background_yields": self.batch_yields,
         }
         if self.device:

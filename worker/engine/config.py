@@ -8,6 +8,16 @@ from typing import Any
 
 from tokenfleet.worker.engine.scheduler import SchedulerConfig
 
+QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # see quantization.py
+
+
+def check_quantization(mode: str) -> str:
+    """``mode`` if it is one of ``QUANTIZATION_MODES``; else ``ValueError`` naming the setting."""
+    if mode not in QUANTIZATION_MODES:
+        choices = ", ".join(QUANTIZATION_MODES)
+        raise ValueError(f"quantization must be one of {choices}, not {mode!r}")
+    return mode
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -29,6 +39,7 @@ class EngineConfig:
     max_yield_steps: int = 8  # ... at most this many steps in a row
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
+    quantization: str = "none"  # none | int8 | int4 | auto (a GGUF file's own precision)
     seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
 
     def __post_init__(self) -> None:
@@ -40,6 +51,7 @@ class EngineConfig:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {self.kv_memory_bytes}")
         if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
+        check_quantization(self.quantization)
         if self.kv_tokens_per_seq < 1:
             raise ValueError(f"kv_tokens_per_seq must be >= 1, got {self.kv_tokens_per_seq}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -75,6 +87,7 @@ class EngineConfig:
             "kv_memory_bytes": self.kv_memory_bytes,
             "default_kv_tokens": self.default_kv_tokens,
             "max_model_len": self.max_model_len,
+            "quantization": self.quantization,
         }
 
 

@@ -27,6 +27,7 @@ from tokenfleet.worker.engine.paged_attention import (
     PrefillChunk,
     paged_attention_forward,
 )
+from tokenfleet.worker.engine.quantization import quantize_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -103,7 +104,8 @@ class ModelRunner:
     """Owns the model and its paged KV cache; ``execute`` runs one scheduled step.
 
     The KV pool is ``num_kv_blocks`` blocks, else ``kv_memory_bytes`` worth, else (the default)
-    ``default_kv_tokens`` tokens capped by the device's free memory (``kv_sizing``).
+    ``default_kv_tokens`` tokens capped by the device's free memory (``kv_sizing``). Linear
+    layers run as loaded, or weight-only quantized (``quantization``: see ``quantization.py``).
 
     Invariants:
         * ``num_kv_blocks * block_size >= max_model_len`` (one longest sequence always fits).
@@ -122,6 +124,7 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         default_kv_tokens: int = DEFAULT_KV_TOKENS,
         max_model_len: int | None = None,
+        quantization: str = "none",
         trust_remote_code: bool = False,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -157,6 +160,7 @@ class ModelRunner:
             ) from exc
         self.model: Any = hf_model.to(self.device).eval()
         self.config = self.model.config
+        self.quantization = quantize_model(self.model, quantization, self.device, source=model)
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)
         per_block = self.kv_bytes_per_block(self.config, block_size, self.dtype)

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenfleet.shared.declared_settings import env_value, setting
+from tokenfleet.worker.engine.quantization import SOURCE_FILE, gguf_linear_types
 from tokenfleet.worker.models.errors import ModelFileError
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-SOURCE_FILE = "tokenfleet-source.json"  # what the folder was converted from, for people
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +126,12 @@ def _convert(gguf: Path, out: Path, digest: str) -> None:
         model.generation_config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     save_model(model, str(out / "model.safetensors"))  # drops the tied lm_head copy
-    source = {"gguf": str(gguf), "sha256": digest, "converted_at": time.time()}
+    source = {
+        "gguf": str(gguf),
+        "sha256": digest,
+        "converted_at": time.time(),
+        "linear_types": gguf_linear_types(gguf),  # the file's precision: --quantization auto
+    }
     (out / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
 
 

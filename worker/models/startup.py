@@ -29,7 +29,8 @@ def model_summary(spec: str, folder: Path, engine: Any) -> str:
 
     return (
         f"model {spec} ({folder}): {type(runner.model).__name__}, {params / 1e6:.1f}M parameters, "
-        f"dtype {str(runner.dtype).removeprefix('torch.')}, device {runner.device}, "
+        f"dtype {str(runner.dtype).removeprefix('torch.')}, quantization "
+        f"{runner.quantization.describe()}, device {runner.device}, "
         f"{torch.get_num_threads()} CPU threads; KV cache {runner.num_kv_blocks} blocks of "
         f"{runner.block_size} tokens = {kv_tokens} tokens ({_gib(kv_bytes)}); "
         f"max sequence {engine.max_model_len} tokens; peak resident memory "

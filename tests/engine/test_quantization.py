@@ -1,0 +1,182 @@
+"""Weight-only int4/int8 linear layers (issue 31): the kernels' products, the modes, the fallback.
+
+Tiny models only; the real Q4_1 file's greedy equivalence is tests/models/test_real_quantized.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tokenfleet.shared.errors import SettingsError
+from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
+from tokenfleet.worker.engine.config import EngineConfig
+from tokenfleet.worker.engine.model_runner import ModelRunner
+from tokenfleet.worker.engine.quantization import (
+    SOURCE_FILE,
+    Int4Linear,
+    Int8Linear,
+    file_precision,
+    kernels_available,
+    mode_for_gguf_type,
+)
+from tokenfleet.worker.worker_settings import WorkerSettings
+
+LOGGER = "tokenfleet.worker.engine.quantization"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_this_torch_has_the_kernels() -> None:
+    assert kernels_available()
+
+
+def test_int4_reproduces_a_q4_1_grid_and_its_product() -> None:
+    """Weights on a Q4_1 grid (q * d + m per group of 32, d and m exact in bfloat16) come back up
+    to bfloat16 rounding (of the zero point m + 8 d and of the kernel's output); the product
+    differs from float32's by that and the activations' bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(0)
+    out_f, in_f = 48, 96
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen).float()
+    q[..., 0], q[..., 1] = 0, 15  # each group spans the grid, as llama.cpp's Q4_1 makes it
+    d = torch.rand(out_f, in_f // 32, 1, generator=gen).to(torch.bfloat16).float() / 8
+    m = -torch.rand(out_f, in_f // 32, 1, generator=gen).to(torch.bfloat16).float()
+    linear = nn.Linear(in_f, out_f, bias=True)
+    linear.weight.data = (q * d + m).view(out_f, in_f)
+    layer = Int4Linear(linear)
+    x = torch.randn(5, 3, in_f, generator=gen)
+    ref = linear(x.to(torch.bfloat16).float())  # the same activations, float32 weights
+    got = layer(x)
+    assert got.shape == (5, 3, out_f) and got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+    ones = torch.eye(in_f)  # one-hot rows read the dequantized weights back
+    read_back = layer(ones) - linear.bias
+    torch.testing.assert_close(read_back, linear.weight.T, atol=8e-3, rtol=0)
+    assert not torch.allclose(read_back, linear.weight.T.flip(0), atol=0.1)  # not any weights
+
+
+def test_int8_product_is_close_to_float() -> None:
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 40, bias=False)
+    linear.weight.data = torch.randn(40, 64, generator=gen)
+    x = torch.randn(7, 64, generator=gen)
+    got, ref = Int8Linear(linear)(x), linear(x)
+    assert (got - ref).abs().max() < 0.02 * ref.abs().max()
+
+
+def test_gguf_types_map_to_modes() -> None:
+    assert [mode_for_gguf_type(t) for t in ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL")] == ["int4"] * 4
+    assert [mode_for_gguf_type(t) for t in ("Q8_0", "Q6_K", "Q5_1")] == ["int8"] * 3
+    assert [mode_for_gguf_type(t) for t in ("F32", "F16", "BF16")] == ["none"] * 3
+
+
+def test_the_flag_and_variable_reach_the_engine() -> None:
+    ws = WorkerSettings.from_env({"TOKENFLEET_QUANTIZATION": "int8"}, model="m", name=None)
+    assert ws.quantization == "int8"
+    assert EngineConfig(**ws.engine_overrides()).quantization == "int8"
+    flag = WorkerSettings.from_env(
+        {"TOKENFLEET_QUANTIZATION": "int8"}, model="m", quantization="auto"
+    )
+    assert flag.quantization == "auto"  # the flag wins
+    assert WorkerSettings.from_env({}, model="m").quantization == "none"
+    with pytest.raises(SettingsError, match=r"quantization.*int4"):
+        WorkerSettings.from_env({"TOKENFLEET_QUANTIZATION": "int3"}, model="m")
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="fp8")
+
+
+def last_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    seq = ScheduledSeq("r", tokens, 0, [0, 1], needs_logits=True)
+    return runner.execute(StepBatch([seq]))[0]
+
+
+def snap_to_int4_grid(model: nn.Module) -> None:
+    """Round every decoder linear weight to its int4 group grid, in float32 (the reference for
+    a model run as int4: same weights, float32 arithmetic)."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            w = module.weight.data
+            groups = w.view(w.shape[0], -1, 32)
+            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+            scale = (high - low) / 15
+            module.weight.data = ((groups - low) / scale).round().mul(scale).add(low).view_as(w)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_tiny_model_runs_quantized(tiny_llama_dir: Path, mode: str) -> None:
+    ref = ModelRunner(tiny_llama_dir, num_kv_blocks=4, block_size=16)
+    if mode == "int4":  # 4 bits move a random tiny model's logits far: compare on the grid
+        snap_to_int4_grid(ref.model)
+    runner = ModelRunner(tiny_llama_dir, num_kv_blocks=4, block_size=16, quantization=mode)
+    report = runner.quantization
+    assert (report.applied, report.num_quantized, report.num_skipped) == (mode, 4 * 7, 0)
+    layer = runner.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Int4Linear if mode == "int4" else Int8Linear)
+    assert isinstance(runner.model.lm_head, nn.Linear)  # the LM head stays as loaded
+    tokens = [5, 17, 99, 3, 42, 7]
+    got, want = last_logits(runner, tokens), last_logits(ref, tokens)
+    assert not torch.equal(got, want)  # really another computation ...
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # ... of nearly the same function
+
+
+def odd_llama(path: Path) -> Path:
+    """A tiny Llama whose hidden size (48) no int4 group of 32 divides."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def test_a_model_that_cannot_run_int4_falls_back_with_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = odd_llama(tmp_path / "odd")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        runner = ModelRunner(path, num_kv_blocks=4, block_size=16, quantization="int4")
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1, lines
+    assert "model type 'llama' cannot be executed as int4" in lines[0]
+    assert "in_features % 32" in lines[0] and "running its weights as loaded" in lines[0]
+    assert runner.quantization.applied == "none"
+    assert runner.quantization.describe() == "none (fallback)"
+    assert isinstance(runner.model.model.layers[0].mlp.up_proj, nn.Linear)
+    assert torch.isfinite(last_logits(runner, [1, 2, 3])).all()  # and it still serves
+
+
+def test_auto_keeps_the_file_precision(
+    tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert file_precision(tiny_llama_dir) is None  # not converted from a GGUF file
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        plain = ModelRunner(tiny_llama_dir, num_kv_blocks=4, quantization="auto")
+    assert plain.quantization.applied == "none" and caplog.records == []  # float: nothing to say
+    q4 = shutil.copytree(tiny_llama_dir, tmp_path / "q4")
+    source = {"gguf": "/gone.gguf", "linear_types": {"Q4_1": 28, "Q8_0": 1}}
+    (q4 / SOURCE_FILE).write_text(json.dumps(source))
+    assert file_precision(q4) == "int4"
+    assert ModelRunner(q4, num_kv_blocks=4, quantization="auto").quantization.applied == "int4"
+    (q4 / SOURCE_FILE).write_text(json.dumps({"gguf": "/gone.gguf"}))  # older cache, file gone
+    assert file_precision(q4) is None
