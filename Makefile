@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test check setup redis7 chromium lint typecheck pytest bench docs clean
+.PHONY: demo test check setup redis7 chromium lint typecheck pytest bench docs clean gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,11 @@ check: lint $(STAMP) $(ASSETS) redis7
 
 bench: $(STAMP)
 	$(PY) -m tokenfleet.worker.cli bench all
+
+# The equivalence tests and decode/workload benchmarks on CUDA, figures into benchmarks/gpu/; on a
+# machine without CUDA it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) scripts/gpu_check.py
 
 # The docs site (mkdocs.yml, docs/): built strict, so a broken link, anchor or API reference fails.
 # NO_MKDOCS_2_WARNING: Material's banner about its successor, printed on every build.

@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=300, help="timed repetitions per side")
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device of every side (cuda)")
     parser.add_argument(
         "--quantization",
         default="int4",
@@ -103,7 +104,7 @@ def tokenfleet_side(
     bs, batch = args.block_size, len(prompts)
     per_seq = -(-(max(lengths) + bs) // bs)
     pool = 2 * batch * per_seq
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", block_size=bs,
+    runner = ModelRunner(model_dir, device=args.device, dtype="float32", block_size=bs,
                          num_kv_blocks=pool, quantization=quantization)  # fmt: skip
     if shuffled:  # worst case: no two consecutive blocks of a table adjacent in memory
         blocks = list(range(pool))
@@ -141,26 +142,33 @@ def tokenfleet_side(
 
 
 def hf_side(
-    model_dir: Path, impl: str, prompts: list[list[int]], lengths: list[int], block_size: int
+    model_dir: Path,
+    impl: str,
+    prompts: list[list[int]],
+    lengths: list[int],
+    block_size: int,
+    device: str = "cpu",
 ) -> Side:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=impl)
+    model = model.to(device).eval()
     batch, width = len(prompts), max(lengths)
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros(batch, width + block_size, dtype=torch.long)
     for i, (toks, n) in enumerate(zip(prompts, lengths, strict=True)):
         ids[i, width - n :] = torch.tensor(toks[:n])
         mask[i, width - n :] = 1
-    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0)
+    positions = (mask[:, :width].cumsum(-1) - 1).clamp(min=0).to(device)
+    ids, mask = ids.to(device), mask.to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=ids, attention_mask=mask[:, :width], position_ids=positions,
           past_key_values=cache, use_cache=True)  # fmt: skip
     step_ids = [
-        torch.tensor([[toks[n + p]] for toks, n in zip(prompts, lengths, strict=True)])
+        torch.tensor([[toks[n + p]] for toks, n in zip(prompts, lengths, strict=True)]).to(device)
         for p in range(block_size)
     ]
-    step_pos = [torch.tensor([[n + p] for n in lengths]) for p in range(block_size)]
+    step_pos = [torch.tensor([[n + p] for n in lengths]).to(device) for p in range(block_size)]
     phase = [0]
 
     def step() -> torch.Tensor:
@@ -183,7 +191,9 @@ OURS = "tokenfleet, BlockManager tables"
 HEADLINE_KEYS = ("decode-step", "smollm2-decode")  # benchmarks/RESULTS.md rows this script measures
 
 
-def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> Side:
+def floor_side(
+    model_dir: Path, prompts: list[list[int]], lengths: list[int], device: str = "cpu"
+) -> Side:
     """The model's forward for one token per sequence with attention replaced by a no-op (the
     query passes through): projections, MLP, norms and LM head only, the floor that no attention
     implementation can go below. Its logits are meaningless and are not checked."""
@@ -195,9 +205,10 @@ def floor_side(model_dir: Path, prompts: list[list[int]], lengths: list[int]) ->
     AttentionInterface.register("bench_no_attention", no_attention)
     model: Any = AutoModelForCausalLM.from_pretrained(
         model_dir, attn_implementation="bench_no_attention"
-    ).eval()
-    ids = torch.tensor([[toks[n]] for toks, n in zip(prompts, lengths, strict=True)])
-    positions = torch.tensor([[n] for n in lengths])
+    )
+    model = model.to(device).eval()
+    ids = torch.tensor([[toks[n]] for toks, n in zip(prompts, lengths, strict=True)]).to(device)
+    positions = torch.tensor([[n] for n in lengths]).to(device)
 
     def step() -> torch.Tensor:
         return model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1]
@@ -229,9 +240,10 @@ def measure(
             )
         )
     sides += [
-        hf_side(model_dir, impl, prompts, lengths, args.block_size) for impl in ("sdpa", "eager")
+        hf_side(model_dir, impl, prompts, lengths, args.block_size, args.device)
+        for impl in ("sdpa", "eager")
     ]
-    sides.append(floor_side(model_dir, prompts, lengths))
+    sides.append(floor_side(model_dir, prompts, lengths, args.device))
 
     # Same next-token logits on every side, or the comparison means nothing.
     reference = sides[0].step()
@@ -246,6 +258,8 @@ def measure(
         for side in sides if rep % 2 == 0 else sides[::-1]:
             start = clock()
             side.step()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()  # the step's kernels are queued, not done, on return
             elapsed = clock() - start
             side.reset()
             if rep >= args.warmup:

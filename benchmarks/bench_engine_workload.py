@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rate", type=float, default=20.0, help="mean arrivals per second")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="torch device of every side (cuda)")
     # Continuous batching's own limits (ours and hf-cb alike); the static baseline is always
     # --static-batch. 64 / 1024 measured faster on CPU than 32 / 512 (fewer, fuller steps).
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -118,7 +119,7 @@ def run_ours(
             num_kv_blocks=num_kv_blocks,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_batched_tokens,
-            device="cpu",
+            device=args.device,
             dtype="float32",
             max_wait_s=None,
             quantization=quantization,
@@ -161,16 +162,17 @@ def run_ours(
     return res
 
 
-def load_hf(model_dir: Path) -> Any:
+def load_hf(model_dir: Path, device: str = "cpu") -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.to(device).eval()
 
 
 def run_hf_static(model_dir: Path, wl: Workload, args: argparse.Namespace) -> SideResult:
     from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-    model = load_hf(model_dir)
+    model = load_hf(model_dir, args.device)
     pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     step_times: list[float] = []
 
@@ -181,8 +183,9 @@ def run_hf_static(model_dir: Path, wl: Workload, args: argparse.Namespace) -> Si
 
     def generate(prompts: list[tuple[int, ...]], max_new_tokens: int) -> None:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts]).to(args.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        mask = mask.to(args.device)
         with torch.inference_mode():
             model.generate(
                 ids,
@@ -224,7 +227,7 @@ def run_hf_cb(
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = load_hf(model_dir)
+    model = load_hf(model_dir, args.device)
     pad = AutoTokenizer.from_pretrained(model_dir).pad_token_id
     gen = GenerationConfig(
         do_sample=False,

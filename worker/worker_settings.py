@@ -21,7 +21,7 @@ from tokenfleet.shared.declared_settings import env_names, label, setting
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
-from tokenfleet.worker.engine.config import check_quantization
+from tokenfleet.worker.engine.config import QUANTIZATION_MODES, check_quantization
 from tokenfleet.worker.pool.config import weight_milli
 
 # Fixed on purpose, not settings (nobody running a fleet has a reason to turn them):
@@ -35,6 +35,9 @@ STARVATION_PULLS = 8
 # waits on it (it sleeps on its own timers), so no value changes what a user sees.
 READ_BLOCK_MS = 1000
 
+# settings that must be positive integers
+_COUNTS: tuple[str, ...] = ("max_num_seqs", "max_batched_tokens", "kv_tokens_per_seq")
+_COUNTS += ("block_size", "poison_limit")
 _MEMORY_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
 _MEMORY_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -69,14 +72,12 @@ def default_worker_name() -> str:
 
 @dataclass(slots=True)
 class WorkerSettings:
-    """Everything a worker process needs besides the Redis connection; each field's declaration
-    says what it does.
+    """Everything a worker needs besides the Redis connection (each declaration says what).
 
     Invariants (checked at construction): a model is given; at most one of ``kv_blocks`` and
     ``kv_memory_bytes``; counts are positive and timers >= 0; ``heartbeat_ttl_s`` is longer than
     ``HEARTBEAT_INTERVAL_S``; ``priorities`` is sorted, most urgent first, and not empty;
-    ``overflow_for``, when set, is also ``model_name``.
-    """
+    ``overflow_for``, when set, is also ``model_name``; ``quantization`` is a known mode."""
 
     model: str = setting(
         env="TOKENFLEET_MODEL",
@@ -111,9 +112,9 @@ class WorkerSettings:
         "none",
         env="TOKENFLEET_QUANTIZATION",
         flag="--quantization",
-        help="how linear weights are executed on a CPU: none (as loaded), int8 or int4 "
-        "(weight-only, quantized at load), auto (a GGUF file's own precision: Q4_x -> int4, "
-        "Q8_0 -> int8, float -> none)",
+        choices=QUANTIZATION_MODES,
+        help="linear weights on a CPU: as loaded, int8 or int4 (weight-only), or auto: a GGUF "
+        "file's own precision (Q4_x -> int4, Q8_0 -> int8, float -> none)",
         see=("Quantization", "quantization.md"),
     )
     max_num_seqs: int = setting(
@@ -151,8 +152,8 @@ class WorkerSettings:
         512,
         env="TOKENFLEET_KV_TOKENS_PER_SEQ",
         flag="--kv-tokens-per-seq",
-        help="when no KV size is given, the KV cache holds max-num-seqs times this many tokens "
-        "(a full batch of typical chats), but at most half the memory free at start",
+        help="without a KV size, the KV cache holds max-num-seqs x this many tokens (at most "
+        "half the memory free at start)",
     )
     block_size: int = setting(
         16, env="TOKENFLEET_BLOCK_SIZE", flag="--block-size", help="tokens per KV block"
@@ -315,13 +316,7 @@ class WorkerSettings:
                 "give either --kv-blocks or --kv-memory (TOKENFLEET_KV_BLOCKS or "
                 "TOKENFLEET_KV_MEMORY), not both"
             )
-        for name in (
-            "max_num_seqs",
-            "max_batched_tokens",
-            "kv_tokens_per_seq",
-            "block_size",
-            "poison_limit",
-        ):
+        for name in _COUNTS:
             _check_positive(name, getattr(self, name))
         for name in ("kv_blocks", "kv_memory_bytes", "max_model_len", "threads"):
             if getattr(self, name) is not None:

@@ -58,12 +58,15 @@ def test_int4_reproduces_a_q4_1_grid_and_its_product() -> None:
     linear.weight.data = (q * d + m).view(out_f, in_f)
     layer = Int4Linear(linear)
     x = torch.randn(5, 3, in_f, generator=gen)
-    ref = linear(x.to(torch.bfloat16).float())  # the same activations, float32 weights
-    got = layer(x)
+    with torch.no_grad():
+        ref = linear(x.to(torch.bfloat16).float())  # the same activations, float32 weights
+        got = layer(x)
     assert got.shape == (5, 3, out_f) and got.dtype == torch.float32
-    torch.testing.assert_close(got, ref, atol=2e-2, rtol=1e-2)
+    # bfloat16 output: ~3 significant digits of the largest values
+    torch.testing.assert_close(got, ref, atol=1e-2 * float(ref.abs().max()), rtol=0)
     ones = torch.eye(in_f)  # one-hot rows read the dequantized weights back
-    read_back = layer(ones) - linear.bias
+    with torch.no_grad():
+        read_back = layer(ones) - linear.bias
     torch.testing.assert_close(read_back, linear.weight.T, atol=8e-3, rtol=0)
     assert not torch.allclose(read_back, linear.weight.T.flip(0), atol=0.1)  # not any weights
 
@@ -73,7 +76,8 @@ def test_int8_product_is_close_to_float() -> None:
     linear = nn.Linear(64, 40, bias=False)
     linear.weight.data = torch.randn(40, 64, generator=gen)
     x = torch.randn(7, 64, generator=gen)
-    got, ref = Int8Linear(linear)(x), linear(x)
+    with torch.no_grad():
+        got, ref = Int8Linear(linear)(x), linear(x)
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 

@@ -56,9 +56,10 @@ def test_greedy_int4_equals_float32_except_near_ties(
     engine = Engine(
         smollm2_dir, EngineConfig(device="cpu", quantization="auto", num_kv_blocks=256, seed=0)
     )
-    report = engine.runner.quantization
+    runner: Any = engine.runner
+    report = runner.quantization
     assert (report.applied, report.num_quantized, report.num_skipped) == ("int4", 30 * 7, 0)
-    assert isinstance(engine.runner.model.model.layers[0].mlp.gate_proj, Int4Linear)
+    assert isinstance(runner.model.model.layers[0].mlp.gate_proj, Int4Linear)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     outputs = engine.generate(chat_prompts, greedy)  # all eight in one batch
     assert "Paris" in outputs[0].text, outputs[0].text
