@@ -40,6 +40,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import percentile
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
+# the rows of benchmarks/RESULTS.md this script measures (--record writes them)
+HEADLINE_KEYS = ("fairness-light-ttft", "fairness-throughput", "fairness-pull-cost")
 PROMPT = (
     "Summarize the following note for a customer in two sentences, politely and briefly: "
     "the order shipped on Monday, the invoice follows by mail, and returns are free."
@@ -130,7 +134,8 @@ def run_side(name: str, rnd: int, client: Any, r: redis.Redis, prefix: str, args
 
 def pull_cost(url: str, tenants: int, calls: int) -> float:
     """Microseconds per PULL call in Redis (commandstats), one entry read per call, with
-    ``tenants`` active tenants (0: the default tenant alone, straight into the shared stream)."""
+    ``tenants`` active tenants (0: the default tenant alone, straight into the shared stream;
+    -1: the same, the call given no tenant keys at all: PULL as it was before tenants)."""
     from tokenfleet.shared.keys import Keys
     from tokenfleet.shared.priority import Priority
     from tokenfleet.shared.scripts import registry
@@ -145,6 +150,9 @@ def pull_cost(url: str, tenants: int, calls: int) -> float:
     )
     streams.ensure_groups()
     names = [f"t{i}" for i in range(tenants)] or ["default"]
+    bare = tenants < 0  # (the keys and ARGV of PULL before tenants: streams, caps, levels)
+    shared, routed = keys.stream("m", normal), keys.routed("m", normal, "w")
+    bare_args: list[str | int] = ["workers", "w", 1, 2, -1, -1, "normal", "normal"]
     per = calls // len(names) + 2
     for t in names:
         for lo in range(0, per, 500):
@@ -154,14 +162,71 @@ def pull_cost(url: str, tenants: int, calls: int) -> float:
             ]
             k, a = enqueue_keys_args(keys, "m", normal, items, now=time.time(), ttl_s=3600)
             registry.call(r, ENQUEUE, k, a)
+    from tokenfleet.shared.scripts.worker import PULL
+
     streams.pull(1)  # registered, warm
     r.config_resetstat()
     for _ in range(calls):
-        assert len(streams.pull(1)) == 1
+        if bare:
+            assert len(registry.call(r, PULL, [routed, shared], bare_args)) == 4
+        else:
+            assert len(streams.pull(1)) == 1
     stats = r.info("commandstats")
     r.close()
     evalsha = stats.get("cmdstat_evalsha", {})
     return float(evalsha.get("usec_per_call", 0.0))
+
+
+def report(results: dict[str, list[Side]], costs: dict[int, float], *, record: bool) -> None:
+    """Print the paired ratios per round and their medians (and --record them)."""
+    sides = list(results)
+    print()
+    print(
+        f"{'round':>6} {'light p50 fair/fifo':>20} {'light p99':>10} {'heavy tput':>11} "
+        f"{'total tput':>11}"
+    )
+    ratios: dict[str, list[float]] = {"p50": [], "p99": [], "heavy": [], "total": []}
+    for i, (a, b) in enumerate(zip(results["fair"], results["fifo"], strict=True)):
+        ratios["p50"].append(percentile(a.light_ttft_s, 50) / percentile(b.light_ttft_s, 50))
+        ratios["p99"].append(percentile(a.light_ttft_s, 99) / percentile(b.light_ttft_s, 99))
+        ratios["heavy"].append(a.heavy_throughput / b.heavy_throughput)
+        ratios["total"].append(a.total_throughput / b.total_throughput)
+        print(
+            f"{i + 1:>6} {ratios['p50'][-1]:>20.3f} {ratios['p99'][-1]:>10.3f} "
+            f"{ratios['heavy'][-1]:>11.3f} {ratios['total'][-1]:>11.3f}"
+        )
+    med = {k: statistics.median(v) for k, v in ratios.items()}
+    print(
+        f"{'median':>6} {med['p50']:>20.3f} {med['p99']:>10.3f} {med['heavy']:>11.3f} "
+        f"{med['total']:>11.3f}"
+    )
+    for name in sides:
+        ttft = [x for s in results[name] for x in s.light_ttft_s]
+        print(
+            f"{name}: light TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms, p99 "
+            f"{percentile(ttft, 99) * 1000:.1f} ms over all rounds"
+        )
+    print(
+        "PULL in Redis, us per call (1 entry): "
+        + ", ".join(
+            ("no tenant keys" if n < 0 else f"{n} tenants") + f" {c:.1f}" for n, c in costs.items()
+        )
+    )
+    print(orjson.dumps({"ratios": med, "pull_us": {str(k): v for k, v in costs.items()}}).decode())
+    if record:
+        fair = [x for s in results["fair"] for x in s.light_ttft_s]
+        fifo = [x for s in results["fifo"] for x in s.light_ttft_s]
+        totals = ratios["total"]
+        ttft_key, tput_key, pull_key = HEADLINE_KEYS
+        record_figures(
+            {
+                ttft_key: f"{med['p50']:.3f} / {med['p99']:.3f} ({percentile(fair, 50) * 1000:.0f} "
+                f"ms against {percentile(fifo, 50):.1f} s p50)",
+                tput_key: f"{med['total']:.3f} (rounds {min(totals):.2f}–{max(totals):.2f})",
+                pull_key: " / ".join(f"{costs[n]:.1f}" for n in (-1, 0, 2, 16)),
+            },
+            benchmarks=Path(__file__).parent,
+        )
 
 
 def main() -> int:
@@ -176,6 +241,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--pull-calls", type=int, default=2000)
+    add_record_flag(p)
     args = p.parse_args()
 
     from tokenfleet.producer.client import Client
@@ -218,7 +284,7 @@ def main() -> int:
                     f"{side.total_throughput:7.1f} tok/s",
                     flush=True,
                 )
-        costs = {n: pull_cost(server.url, n, args.pull_calls) for n in (0, 2, 16)}
+        costs = {n: pull_cost(server.url, n, args.pull_calls) for n in (-1, 0, 2, 16)}
     finally:
         client.close()
         r.close()
@@ -227,37 +293,7 @@ def main() -> int:
             proc.wait()
         server.stop()
         tmp.cleanup()
-    print()
-    print(
-        f"{'round':>6} {'light p50 fair/fifo':>20} {'light p99':>10} {'heavy tput':>11} "
-        f"{'total tput':>11}"
-    )
-    ratios: dict[str, list[float]] = {"p50": [], "p99": [], "heavy": [], "total": []}
-    for i, (a, b) in enumerate(zip(results["fair"], results["fifo"], strict=True)):
-        ratios["p50"].append(percentile(a.light_ttft_s, 50) / percentile(b.light_ttft_s, 50))
-        ratios["p99"].append(percentile(a.light_ttft_s, 99) / percentile(b.light_ttft_s, 99))
-        ratios["heavy"].append(a.heavy_throughput / b.heavy_throughput)
-        ratios["total"].append(a.total_throughput / b.total_throughput)
-        print(
-            f"{i + 1:>6} {ratios['p50'][-1]:>20.3f} {ratios['p99'][-1]:>10.3f} "
-            f"{ratios['heavy'][-1]:>11.3f} {ratios['total'][-1]:>11.3f}"
-        )
-    med = {k: statistics.median(v) for k, v in ratios.items()}
-    print(
-        f"{'median':>6} {med['p50']:>20.3f} {med['p99']:>10.3f} {med['heavy']:>11.3f} "
-        f"{med['total']:>11.3f}"
-    )
-    for name in sides:
-        ttft = [x for s in results[name] for x in s.light_ttft_s]
-        print(
-            f"{name}: light TTFT p50 {percentile(ttft, 50) * 1000:.1f} ms, p99 "
-            f"{percentile(ttft, 99) * 1000:.1f} ms over all rounds"
-        )
-    print(
-        "PULL in Redis, us per call (1 entry): "
-        + ", ".join(f"{n} tenants {c:.1f}" for n, c in costs.items())
-    )
-    print(orjson.dumps({"ratios": med, "pull_us": costs}).decode())
+    report(results, costs, record=args.record)
     return 0
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from batch_helpers import (
+    CHAT,
     COMPLETIONS,
     Env,
     chat_line,
@@ -115,6 +116,27 @@ def test_a_40_line_batch_completes_and_matches_its_input(bsettings: Settings) ->
         assert fobj.bytes == len(await env.files.content(fobj.id))
         assert not await env.r.sismember(env.batches._keys.batches_active, b.id)
         assert not await env.r.exists(env.batches._keys.batch_lease(b.id))
+
+    with_env(bsettings, body)
+
+
+def test_a_batchs_lines_are_its_tenants_requests(bsettings: Settings) -> None:
+    """A batch made for a tenant (the creating API key's) runs its lines as that tenant's
+    requests: they wait in its tenant queue and count in its book (docs/fairness.md)."""
+    lines = [chat_line(i, max_tokens=2) for i in range(6)]
+
+    async def body(env: Env) -> None:
+        f = await env.files.create("batch", "in.jsonl", jsonl(lines))
+        b = await env.batches.create(f.id, CHAT, "24h", None, tenant="acme")
+        assert (await env.batches.get(b.id)).tenant == "acme"
+        b = await _run_to_final(env, b.id)
+        assert b.status == "completed", b.to_dict()
+        keys = env.batches._keys
+        for i in range(len(lines)):
+            assert await env.r.hget(keys.record(f"{b.id}-{i}"), "tenant") == b"acme"
+        book = keys.tenant_book("default")
+        assert int(await env.r.hget(book, "admitted|acme") or 0) == len(lines)
+        assert int(await env.r.hget(book, "served|acme") or 0) > 0
 
     with_env(bsettings, body)
 
