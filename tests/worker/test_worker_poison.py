@@ -1,6 +1,10 @@
 """Issue 15 item 4 with a real worker process: poisoned or inconsistent per-request state ends
 that request ``error`` / ``corrupt_state`` naming the cause, frees its entry, and the worker
-goes on serving (it never stays ``running`` forever, logged as held by another worker)."""
+goes on serving (it never stays ``running`` forever, logged as held by another worker). What
+the worker can put back from its own memory while it runs the request (a record deleted, a
+status scribbled over: what a Redis rollback also looks like) it puts back, and the request
+ends ``done`` (issue 28, worker/service/repair.py); a list holding another's event cannot be
+put back and ends it ``error``."""
 
 from __future__ import annotations
 
@@ -147,7 +151,7 @@ def test_poison_found_at_start_ends_the_request(
 # -- poison that appears while the request runs ---------------------------------------------------
 def _foreign_event(rr: redis.Redis, rid: str) -> str:
     rr.rpush(KEYS.tokens(rid), _event(rid, 10**6))  # someone else wrote into its list
-    return "where this worker had published"
+    return "than the one this worker published"
 
 
 def _record_deleted(rr: redis.Redis, rid: str) -> str:
@@ -162,9 +166,32 @@ def _status_scribbled(rr: redis.Redis, rid: str) -> str:
 
 RUN_POISONS: dict[str, Callable[[redis.Redis, str], str]] = {
     "foreign-event-in-list": _foreign_event,
+}
+RUN_REPAIRED: dict[str, Callable[[redis.Redis, str], str]] = {
     "record-deleted": _record_deleted,
     "status-scribbled": _status_scribbled,
 }
+MEDIUM = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", list(RUN_REPAIRED))
+def test_state_the_worker_can_put_back_is_repaired_and_the_request_ends_done(
+    worker: WorkerProc, rr: redis.Redis, kind: str
+) -> None:
+    rid = f"fix-{kind}"
+    log = subscribe(rr, KEYS, [rid])
+    enqueue(rr, KEYS, make_request(rid, sampling=MEDIUM))
+    wait_for(lambda: len(log.tokens(rid)) >= 2, f"{rid}'s first tokens", 60)
+    RUN_REPAIRED[kind](rr, rid)
+    term = log.wait_terminal(rid, 120)
+    assert isinstance(term, TerminalEvent) and term.status == "done", term
+    indices = [e.index for e in log.tokens(rid)]
+    assert sorted(set(indices)) == list(range(300)), indices[-5:]  # (republished: duplicates)
+    rec = record(rr, KEYS, rid)
+    assert rec is not None and rec.status == "done" and rec.num_tokens == 300
+    assert rr.llen(KEYS.tokens(rid)) == 300
+    assert f"repaired {rid} after a Redis rollback" in worker.output()
+    _assert_freed_and_serving(rr, worker, rid)
 
 
 @pytest.mark.parametrize("kind", list(RUN_POISONS))

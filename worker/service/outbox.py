@@ -230,7 +230,8 @@ class Outbox:
             job = table.jobs[rid]
             batch = result.refused.get(rid)
             extra = [e.encode() for e in batch[1]] if batch is not None else []
-            targets.append(Target(job, job.events + extra, result.refused_finishes.get(rid)))
+            fin = result.refused_finishes.get(rid)
+            targets.append(Target(job, job.events + extra, fin, refused=True))
         outcomes = self.repairer.check(targets)
         for target in targets:
             rid, outcome = target.request_id, outcomes[target.request_id]

@@ -56,6 +56,8 @@ class Target:
     job: Job
     events: Sequence[bytes]
     finish: Finish | None = None
+    refused: bool = False  # a publish of it was refused: compare in the script, whatever the
+    # length (a list as long as this worker's can still hold another's event)
 
     @property
     def request_id(self) -> str:
@@ -201,7 +203,7 @@ class Repairer:
         (status, holder, stream_id, routed_to), length = state
         job, fin, n = target.job, target.finish, len(target.events)
         entry = job.entry
-        if length >= n and (
+        if not target.refused and length >= n and (
             (fin is not None and status == fin.event.status.value)
             or (
                 fin is None
