@@ -203,11 +203,15 @@ class Repairer:
         (status, holder, stream_id, routed_to), length = state
         job, fin, n = target.job, target.finish, len(target.events)
         entry = job.entry
-        if not target.refused and length >= n and (
-            (fin is not None and status == fin.event.status.value)
-            or (
-                fin is None
-                and (status, holder, stream_id) == ("running", self.worker_name, entry.entry_id)
+        if (
+            not target.refused
+            and length >= n
+            and (
+                (fin is not None and status == fin.event.status.value)
+                or (
+                    fin is None
+                    and (status, holder, stream_id) == ("running", self.worker_name, entry.entry_id)
+                )
             )
         ):
             return None
