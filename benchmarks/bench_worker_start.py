@@ -6,6 +6,8 @@ Side by side in one run, each a fresh process (``--rounds`` of each, alternating
   (model resolved from the conversion cache, loaded, smoke-tested, KV cache allocated);
 * ``from_pretrained only``: a bare Python process that imports transformers and loads the same
   folder with ``AutoModelForCausalLM.from_pretrained`` (the floor a worker's load cannot beat);
+* ``worker, warm cache, --quantization auto``: the same worker executing the file's own
+  precision (SmolLM2's Q4_1 file: int4 linear layers, quantized while it loads; issue 31);
 * ``worker, cold cache`` (once, first): the same worker with an empty conversion cache, so its
   start includes converting the GGUF file.
 
@@ -47,12 +49,15 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_worker(model: str, url: str, cache: Path, name: str) -> tuple[float, float]:
+def start_worker(
+    model: str, url: str, cache: Path, name: str, quantization: str = "none"
+) -> tuple[float, float]:
     """Seconds from spawn to heartbeat, and peak RSS in MiB, of one worker."""
     env = {**os.environ, "REDIS_URL": url, "TOKENFLEET_MODEL_CACHE": str(cache)}
     env["TOKENFLEET_KEY_PREFIX"] = PREFIX
     args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", model]
     args += ["--name", name, "--threads", "1", "--log-level", "WARNING"]
+    args += ["--quantization", quantization]
     r = redis.Redis.from_url(url)
     started = time.perf_counter()
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -107,10 +112,12 @@ def main() -> None:
         warm = cache_root()
         folder = resolve_model(args.model, cache=warm)
         for i in range(args.rounds):
-            sides = [WARM, "from_pretrained only"]
+            sides = [WARM, WARM_AUTO, "from_pretrained only"]
             for name in sides if i % 2 == 0 else sides[::-1]:
-                if name == sides[0]:
+                if name == WARM:
                     result = start_worker(args.model, server.url, warm, f"w{i}")
+                elif name == WARM_AUTO:
+                    result = start_worker(args.model, server.url, warm, f"q{i}", "auto")
                 else:
                     result = load_only(folder)
                 rows.setdefault(name, []).append(result)
@@ -131,6 +138,7 @@ def main() -> None:
 
 HEADLINE_KEY = "worker-start"  # its row in benchmarks/RESULTS.md
 WARM, COLD = "worker, warm cache", "worker, cold cache (converts)"
+WARM_AUTO = "worker, warm cache, --quantization auto"
 
 
 def headline(rows: dict[str, list[tuple[float, float]]]) -> str:
