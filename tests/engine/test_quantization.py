@@ -184,3 +184,12 @@ def test_auto_keeps_the_file_precision(
     assert ModelRunner(q4, num_kv_blocks=4, quantization="auto").quantization.applied == "int4"
     (q4 / SOURCE_FILE).write_text(json.dumps({"gguf": "/gone.gguf"}))  # older cache, file gone
     assert file_precision(q4) is None
+
+
+def test_the_start_line_says_what_runs_quantized(tiny_llama_dir: Path) -> None:
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.models.startup import model_summary
+
+    engine = Engine(tiny_llama_dir, EngineConfig(num_kv_blocks=4, quantization="int4"))
+    line = model_summary("tiny", tiny_llama_dir, engine)
+    assert "dtype float32, quantization int4 (28 linear layers), device cpu" in line, line
