@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenfleet.shared.declared_settings import env_value, setting
-from tokenfleet.worker.engine.quantization import SOURCE_FILE, gguf_linear_types
 from tokenfleet.worker.models.errors import ModelFileError
 
 log = logging.getLogger(__name__)
@@ -109,6 +108,8 @@ def _convert(gguf: Path, out: Path, digest: str) -> None:
     """Dequantize ``gguf`` with transformers and save it as a plain HF folder in ``out``."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tokenfleet.worker.engine.quantization import SOURCE_FILE, gguf_linear_types
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
