@@ -129,6 +129,37 @@ def test_submit_stream_and_status_on_the_cluster(fleet: Fleet) -> None:
     )
 
 
+def test_tenants_are_admitted_fairly_in_the_model_s_lane(fleet: Fleet) -> None:
+    """Fair admission on the cluster (docs/fairness.md): two tenants' requests wait in tenant
+    queues and are admitted by the workers' pulls; every tenant key (queues, active set, book),
+    including those the scripts build from templates, is in the model's lane."""
+    with Client.from_url(settings=fleet.settings) as client:
+        specs = [
+            {"prompt": f"tenant {t} {i}", "max_tokens": 3, "ignore_eos": True, "tenant": t}
+            for i in range(6)
+            for t in ("acme", "globex")
+        ]
+        handles = client.submit_many(specs)
+        ids = [h.request_id for h in handles if not isinstance(h, Exception)]
+        assert len(ids) == len(specs)
+
+        def all_done() -> bool:
+            records = [fleet.record(rid) for rid in ids]
+            return all(rec is not None and rec.status == "done" for rec in records)
+
+        wait_for(all_done, "both tenants' requests done")
+        rows = {t["tenant"]: t for t in client.tenant_stats()}
+    assert rows["acme"]["admitted"] == 6 and rows["globex"]["admitted"] == 6
+    assert rows["acme"]["served_tokens"] > 0 and rows["acme"]["waiting"] == 0
+    keys = fleet.keys
+    for name in (
+        keys.tenant_book("default"),
+        keys.tenants_active("default", Priority.NORMAL),
+        keys.tenant_queue("default", Priority.NORMAL, "acme"),
+    ):
+        assert name.startswith("{hacl|default}:") and fleet_slot(name) == fleet.slot
+
+
 def test_cancel_on_the_cluster(fleet: Fleet) -> None:
     check_cancel(fleet)
 
