@@ -272,6 +272,16 @@ class WorkerSettings:
         "off (the flag, or 0) runs batch work like any other",
         see=("Batch work yields", "workers.md#batch-work-yields-to-interactive-work"),
     )
+    share_prefill: bool = setting(
+        True,
+        env="TOKENFLEET_SHARE_PREFILL",
+        flag="--no-share-prefill",
+        help="a request whose prompt's next blocks another running request is prefilling now "
+        "waits for them and reads them from the prefix cache (the n choices of a request, or "
+        "requests sent together with one long prompt, prefill it once); off (the flag, or 0): "
+        "each computes its own",
+        see=("Prefix caching", "engine.md#prefix-caching"),
+    )
     steal_after_s: float = setting(
         0.5,
         env="TOKENFLEET_STEAL_AFTER_S",
@@ -380,6 +390,7 @@ class WorkerSettings:
             "dtype": self.dtype,
             "quantization": self.quantization,
             "background_yields": self.batch_yields,
+            "share_prefill": self.share_prefill,
         }
         if self.device:
             out["device"] = self.device

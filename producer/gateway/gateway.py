@@ -26,7 +26,7 @@ from tokenfleet.producer.gateway.batches.files import FileStore
 from tokenfleet.producer.gateway.batches.store import BatchStore
 from tokenfleet.producer.gateway.drain import DrainMeter
 from tokenfleet.producer.gateway.errors import ApiError, from_tokenfleet
-from tokenfleet.producer.gateway.identity import make_request_id
+from tokenfleet.producer.gateway.identity import choice_id, make_request_id
 from tokenfleet.producer.gateway.metrics import GatewayMetrics
 from tokenfleet.producer.gateway.openai_api import Submission
 from tokenfleet.producer.gateway.responses import Framing, used_tokens
@@ -35,7 +35,7 @@ from tokenfleet.shared.cancellation import cancel_checkpoint, raise_if_cancellin
 from tokenfleet.shared.errors import InvalidRequest, Overloaded, TokenfleetError
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.shared.schema import TerminalEvent
+from tokenfleet.shared.schema import MAX_SEED, TerminalEvent
 from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 
@@ -53,12 +53,14 @@ class Caller:
 
 @dataclass(slots=True)
 class Accepted:
-    """A submitted request, as the route answers it."""
+    """A submitted request, as the route answers it. With ``n`` > 1, ``choices`` holds a
+    handle per choice (``handle`` is the first); else it is empty."""
 
     handle: AsyncHandle
     framing: Framing
     headers: dict[str, str] = field(default_factory=dict)
     charged_tokens: int = 0
+    choices: list[AsyncHandle] = field(default_factory=list)
 
 
 class Gateway:
@@ -213,21 +215,37 @@ class Gateway:
         priority: Priority,
         headers: Mapping[str, str],
     ) -> Accepted:
-        """Check, charge and enqueue ``sub``; the handle and how to frame its answer."""
+        """Check, charge and enqueue ``sub``; the handle and how to frame its answer. ``n`` > 1
+        enqueues ``n`` requests in one pipeline, ``<id>.0`` .. ``<id>.<n-1>`` (choice ``i``'s
+        seed is ``seed + i``), or none: a refusal of one cancels those accepted."""
+        if sub.n > self.settings.max_n:
+            raise ApiError(
+                400,
+                f"n = {sub.n} is above this gateway's limit of {self.settings.max_n} "
+                "(TOKENFLEET_GATEWAY_MAX_N)",
+                code="n_above_limit",
+                param="n",
+            )
         await self.check_model(sub.model)
         rate_headers = await self.admit(caller, sub.estimated_tokens)
         rid = make_request_id(
             sub.kind, caller.owner, headers.get("idempotency-key"), tools=sub.tools
         )
+        choices: list[AsyncHandle] = []
         try:
-            handle = await self.client.submit(
-                model=sub.model,
-                priority=priority,
-                request_id=rid,
-                timeout=self.settings.submit_wait_s,
-                tenant=caller.key.tenant if caller.key is not None else DEFAULT_TENANT,
-                **sub.params,
-            )
+            tenant = caller.key.tenant if caller.key is not None else DEFAULT_TENANT
+            if sub.n > 1:
+                choices = await self._submit_choices(sub, priority, rid, tenant)
+                handle = choices[0]
+            else:
+                handle = await self.client.submit(
+                    model=sub.model,
+                    priority=priority,
+                    request_id=rid,
+                    timeout=self.settings.submit_wait_s,
+                    tenant=tenant,
+                    **sub.params,
+                )
         except Overloaded as exc:
             await self.refund(caller, sub.estimated_tokens)
             raise await self._overloaded(exc, sub.model, priority, rate_headers) from None
@@ -238,8 +256,31 @@ class Gateway:
             raise err from None
         framing = Framing(rid, sub.kind, sub.model, int(time.time()), sub.tools)
         return Accepted(
-            handle, framing, {"X-Request-Id": rid, **rate_headers}, sub.estimated_tokens
+            handle, framing, {"X-Request-Id": rid, **rate_headers}, sub.estimated_tokens, choices
         )
+
+    async def _submit_choices(
+        self, sub: Submission, priority: Priority, rid: str, tenant: str
+    ) -> list[AsyncHandle]:
+        """The ``n`` choices' requests, enqueued in one pipeline (one worker usually reads them
+        together and prefills their prompt once: docs/engine.md, "Prefix caching"); the first
+        refusal is raised after the accepted ones are cancelled (each ends once, cancelled)."""
+        specs = []
+        for i in range(sub.n):
+            spec = {**sub.params, "model": sub.model, "priority": priority, "tenant": tenant}
+            spec["request_id"] = choice_id(rid, i)
+            if sub.params.get("seed") is not None:  # each choice reproducible on its own
+                spec["seed"] = (sub.params["seed"] + i) % (MAX_SEED + 1)
+            specs.append(spec)
+        results = await self.client.submit_many(specs)
+        refused = [r for r in results if isinstance(r, TokenfleetError)]
+        handles = [r for r in results if not isinstance(r, TokenfleetError)]
+        if refused:
+            for h in handles:
+                h.close()
+                await self.client.cancel(h.request_id)
+            raise refused[0]
+        return handles
 
     async def _overloaded(
         self, exc: Overloaded, model: str, priority: Priority, headers: dict[str, str]
@@ -276,6 +317,13 @@ class Gateway:
                 handle.close()
 
         self.spawn(wait_and_settle())
+
+    def settle_later_all(self, caller: Caller, request_ids: list[str], charged: int) -> None:
+        """:meth:`settle_later` for the choices of one request (the charge split between
+        them)."""
+        share, extra = divmod(charged, max(1, len(request_ids)))
+        for i, rid in enumerate(request_ids):
+            self.settle_later(caller, rid, share + (extra if i == 0 else 0))
 
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` detached from the HTTP request (a disconnect cancels the request's

@@ -40,6 +40,12 @@ def make_request_id(
     return f"{owner}.{rid}" if owner else rid
 
 
+def choice_id(request_id: str, index: int) -> str:
+    """The request id of choice ``index`` of a request with ``n`` > 1 (each choice is a request
+    of its own: resumable, cancellable and crash-safe as any)."""
+    return f"{request_id}.{index}"
+
+
 def owns(owner: str | None, request_id: str) -> bool:
     """May the caller identified by ``owner`` (None: keys are off) see ``request_id``?"""
     return owner is None or request_id.startswith(owner + ".")

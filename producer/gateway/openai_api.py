@@ -137,7 +137,6 @@ class ChatBody(_Common):
 
 # field -> test that the value asks for nothing (so accepting it ignores nothing)
 _OFF: dict[str, Callable[[Any], bool]] = {
-    "n": lambda v: v == 1,
     "presence_penalty": lambda v: v == 0,
     "frequency_penalty": lambda v: v == 0,
     "logit_bias": lambda v: not v,
@@ -170,6 +169,7 @@ class Submission:
     priority: str | None  # from the body (the header is the route's)
     estimated_tokens: int  # prompt (about 4 characters a token) + max_tokens: what TPM charges
     tools: bool = False  # tools were offered: the answer's text is read back into tool_calls
+    n: int = 1  # choices: n > 1 is n requests, <id>.0 .. <id>.n-1 (gateway.submit, choices.py)
 
 
 def _refuse_unsupported(body: _Common) -> None:
@@ -285,9 +285,19 @@ def _submission(
         bool(body.stream_options and body.stream_options.include_usage),
         params,
         body.priority,
-        prompt_size + params["max_tokens"],
+        prompt_size + _n(body) * params["max_tokens"],
         tools,
+        _n(body),
     )
+
+
+def _n(body: _Common) -> int:
+    """``n`` (1 when absent); below 1 is a 400 (the gateway's limit is checked at submit)."""
+    if body.n is None:
+        return 1
+    if body.n < 1:
+        raise ApiError(400, f"n must be at least 1, got {body.n}", param="n")
+    return body.n
 
 
 def completion_submission(body: CompletionBody) -> Submission:

@@ -45,9 +45,11 @@ class Framing:
         role: bool = False,
         usage: dict[str, int] | None = None,
         token: TokenEvent | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
-        """One stream chunk: ``text`` (None: the usage chunk, which has no choices); ``token``:
-        the event it carries, whose logprobs (if any) the chunk carries in OpenAI's shape."""
+        """One stream chunk of choice ``index``: ``text`` (None: the usage chunk, which has no
+        choices); ``token``: the event it carries, whose logprobs (if any) the chunk carries in
+        OpenAI's shape."""
         out: dict[str, Any] = {
             "id": self.request_id,
             "object": self._object(True),
@@ -62,7 +64,7 @@ class Framing:
                 delta["content"] = text
             out["choices"] = [
                 {
-                    "index": 0,
+                    "index": index,
                     "delta": delta,
                     "logprobs": self.logprobs([token]) if token else None,
                     "finish_reason": finish_reason,
@@ -71,7 +73,7 @@ class Framing:
         else:
             out["choices"] = [
                 {
-                    "index": 0,
+                    "index": index,
                     "text": text,
                     "logprobs": self.logprobs([token]) if token else None,
                     "finish_reason": finish_reason,
@@ -104,11 +106,15 @@ class Framing:
             "text_offset": offsets,
         }
 
-    def tool_message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+    def tool_message(
+        self, text: str, finish: str | None, choice_id: str | None = None
+    ) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a tools request's output and its finish reason: its calls
         as ``tool_calls`` (``finish_reason: "tool_calls"`` when it ended ``stop``) and any
         text after them (none with the grammar; a call cut by ``length`` stays text) as
-        ``content``; text that opens no call is the ``content``, as without tools."""
+        ``content``; text that opens no call is the ``content``, as without tools. The call ids
+        derive from ``choice_id`` (the choice's own request id; default: this request's)."""
+        rid = choice_id or self.request_id
         calls, end = parse_calls(text)
         if not calls:
             return {"role": "assistant", "content": text}, finish
@@ -116,40 +122,48 @@ class Framing:
         message = {
             "role": "assistant",
             "content": rest or None,
-            "tool_calls": [c.to_openai(call_id(self.request_id, i)) for i, c in enumerate(calls)],
+            "tool_calls": [c.to_openai(call_id(rid, i)) for i, c in enumerate(calls)],
         }
         return message, "tool_calls" if finish == "stop" else finish
 
     def response(self, tokens: Sequence[TokenEvent], terminal: TerminalEvent) -> dict[str, Any]:
         """The whole (non-streaming) response of a request that ended ``done``, from its
         token events."""
+        return self.whole([self.choice(tokens, terminal)], usage_of(terminal))
+
+    def choice(
+        self, tokens: Sequence[TokenEvent], terminal: TerminalEvent, index: int = 0
+    ) -> dict[str, Any]:
+        """Choice ``index`` of a whole response: the request ``terminal.request_id`` that
+        ended ``done``, from its token events."""
         text = "".join(t.text for t in tokens)
-        choice: dict[str, Any]
-        if self.kind == "chat":
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            finish = terminal.finish_reason
-            if self.tools:
-                message, finish = self.tool_message(text, finish)
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": self.logprobs(tokens),
-                "finish_reason": finish,
-            }
-        else:
-            choice = {
-                "index": 0,
+        if self.kind != "chat":
+            return {
+                "index": index,
                 "text": text,
                 "logprobs": self.logprobs(tokens),
                 "finish_reason": terminal.finish_reason,
             }
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        finish = terminal.finish_reason
+        if self.tools:
+            message, finish = self.tool_message(text, finish, terminal.request_id)
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self.logprobs(tokens),
+            "finish_reason": finish,
+        }
+
+    def whole(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        """The whole response object holding ``choices``."""
         return {
             "id": self.request_id,
             "object": self._object(False),
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage_of(terminal),
+            "choices": choices,
+            "usage": usage,
         }
 
 

@@ -17,6 +17,12 @@ from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from tokenfleet.producer.core.models import ModelInfo
+from tokenfleet.producer.gateway.choices import (
+    choice_events,
+    collect_all,
+    parse_cursor,
+    whole_response,
+)
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Accepted, Caller, Gateway
 from tokenfleet.producer.gateway.keepalive import event_stream
@@ -83,6 +89,11 @@ async def _answer(request: Request, gw: Gateway, caller: Caller, sub: Submission
     mode = _disconnect_mode(gw, request.headers.get("x-on-disconnect"))
     priority = gw.check_priority(caller, asked)
     accepted = await gw.submit(sub, caller, priority, request.headers)
+    if accepted.choices:
+        if sub.stream:
+            cursor = parse_cursor(request.headers.get("last-event-id"), len(accepted.choices))
+            return _stream_choices(gw, caller, accepted, sub, mode, cursor)
+        return await _whole_choices(request, gw, caller, accepted, mode)
     if sub.stream:
         from_index = parse_last_event_id(request.headers.get("last-event-id"))
         return _stream(gw, caller, accepted, sub, mode, from_index)
@@ -155,6 +166,81 @@ async def _whole(
         err.headers.update(accepted.headers)
         raise err
     return JSONResponse(accepted.framing.response(tokens, terminal), headers=accepted.headers)
+
+
+def _stream_choices(
+    gw: Gateway, caller: Caller, accepted: Accepted, sub: Submission, mode: str, cursor: list[int]
+) -> EventSourceResponse:
+    """The stream of a request with ``n`` > 1 (``choices``)."""
+    state = StreamState()
+    ids = [h.request_id for h in accepted.choices]
+
+    async def on_close(_message: Any) -> None:  # the client went away
+        if state.ended:
+            return
+        gw.metrics.disconnects.labels(mode).inc()
+        if mode == "cancel":
+            for rid in ids:
+                gw.spawn(gw.client.cancel(rid))
+        gw.settle_later_all(caller, ids, accepted.charged_tokens)
+
+    async def body() -> Any:
+        gw.metrics.streams_open.inc()
+        try:
+            async for sse in choice_events(
+                accepted.choices,
+                accepted.framing,
+                cursor=cursor,
+                include_usage=sub.include_usage,
+                state=state,
+                cancel=gw.client.cancel,
+            ):
+                yield sse
+        finally:
+            gw.metrics.streams_open.dec()
+            if state.terminal is not None:
+                gw.spawn(gw.refund(caller, accepted.charged_tokens, used_tokens(state.terminal)))
+
+    return event_stream(
+        body(),
+        keepalive_s=gw.settings.keepalive_s,
+        headers=accepted.headers,
+        on_client_close=on_close,
+    )
+
+
+async def _whole_choices(
+    request: Request, gw: Gateway, caller: Caller, accepted: Accepted, mode: str
+) -> JSONResponse:
+    """Every choice to its end, or the client leaving first (then cancel or continue them)."""
+    ids = [h.request_id for h in accepted.choices]
+    work = asyncio.ensure_future(collect_all(accepted.choices, gw.client.cancel))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+        for h in accepted.choices:
+            h.close()
+    if not work.done() or work.cancelled():
+        gw.metrics.disconnects.labels(mode).inc()
+        if mode == "cancel":
+            for rid in ids:
+                gw.spawn(gw.client.cancel(rid))
+        gw.settle_later_all(caller, ids, accepted.charged_tokens)
+        return JSONResponse({}, status_code=499)  # nobody reads it: the client is gone
+    results, failed = work.result()
+    ends = [end for _, end in results]
+    used = sum(used_tokens(end) for end in ends)
+    gw.spawn(gw.refund(caller, accepted.charged_tokens, used))
+    if failed is not None:
+        err = failure(failed)
+        err.headers.update(accepted.headers)
+        raise err
+    body = whole_response(accepted.framing, results)
+    return JSONResponse(body, headers=accepted.headers)
 
 
 async def _disconnected(request: Request) -> None:

@@ -14,7 +14,7 @@ from sse_starlette import EventSourceResponse
 
 from tokenfleet.producer.gateway.errors import ApiError
 from tokenfleet.producer.gateway.gateway import Caller, Gateway
-from tokenfleet.producer.gateway.identity import has_tools, kind_of, owns
+from tokenfleet.producer.gateway.identity import choice_id, has_tools, kind_of, owns
 from tokenfleet.producer.gateway.keepalive import event_stream
 from tokenfleet.producer.gateway.responses import Framing, collect
 from tokenfleet.producer.gateway.routes_openai import CallerDep, gateway_of
@@ -62,12 +62,38 @@ async def get_request(request: Request, request_id: str, caller: CallerDep) -> d
 @router.post("/v1/requests/{request_id}/cancel")
 async def cancel_request(request: Request, request_id: str, caller: CallerDep) -> dict[str, Any]:
     """Cancel: a waiting request ends at once, a running one at its worker's next step (its KV
-    is freed then). ``cancelled`` is false when it had already ended."""
+    is freed then). ``cancelled`` is false when it had already ended. The id of a request with
+    ``n`` > 1 cancels each of its choices (``choices``: each one's answer)."""
     gw = gateway_of(request)
-    await _record(gw, caller, request_id)
+    try:
+        await _record(gw, caller, request_id)
+    except ApiError:
+        choices = await _choice_ids(gw, caller, request_id)
+        if not choices:
+            raise
+        out = [await cancel_request(request, rid, caller) for rid in choices]
+        return {
+            "id": request_id,
+            "cancelled": any(c["cancelled"] for c in out),
+            "choices": out,
+        }
     cancelled = await gw.client.cancel(request_id)
     record = await gw.client.status(request_id)
     return {"id": request_id, "cancelled": cancelled, "status": record.status.value}
+
+
+async def _choice_ids(gw: Gateway, caller: Caller, request_id: str) -> list[str]:
+    """The requests of ``request_id``'s choices when it asked for ``n`` > 1 (``<id>.0``,
+    ``<id>.1``, ... while they exist, at most the gateway's ``max_n``); [] otherwise."""
+    out = []
+    for i in range(gw.settings.max_n):
+        rid = choice_id(request_id, i)
+        try:
+            await _record(gw, caller, rid)
+        except ApiError:
+            break
+        out.append(rid)
+    return out
 
 
 @router.get("/v1/requests/{request_id}/events")

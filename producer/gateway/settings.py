@@ -91,6 +91,13 @@ class GatewaySettings:
         env="TOKENFLEET_GATEWAY_DEFAULT_MAX_TOKENS",
         help="chat max_tokens when a request gives none (completions default to 16, as OpenAI's)",
     )
+    max_n: int = setting(
+        8,
+        env="TOKENFLEET_GATEWAY_MAX_N",
+        help="the most choices one request may ask for (n); above it a 400 names n. Each "
+        "choice is a request of its own in the queue",
+        see=("n > 1", "structured-outputs.md#several-choices-n"),
+    )
     batch_window: int = setting(
         DEFAULT_BATCH_WINDOW,
         env="TOKENFLEET_GATEWAY_BATCH_WINDOW",
@@ -146,6 +153,7 @@ class GatewaySettings:
             "max_body_bytes",
             "max_file_bytes",
             "default_max_tokens",
+            "max_n",
             "batch_window",
             "processes",
         ):

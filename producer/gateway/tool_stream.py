@@ -29,6 +29,8 @@ class ToolStream:
     """
 
     framing: Framing
+    index: int = 0  # the choice's index (n > 1)
+    choice_id: str = ""  # the choice's own request id, which its call ids derive from
     text: str = ""
     opens_with_call: bool | None = None  # None: not known yet
     sent: int = 0
@@ -69,7 +71,7 @@ class ToolStream:
         return [self._chunk({"content": text})] if text else []
 
     def _chunk(self, delta: dict[str, Any]) -> dict[str, Any]:
-        chunk = self.framing.chunk("")
+        chunk = self.framing.chunk("", index=self.index)
         choice = chunk["choices"][0]
         choice["delta"] = delta
         choice["logprobs"] = self.framing.logprobs(self.held)
@@ -77,4 +79,4 @@ class ToolStream:
         return chunk
 
     def _id(self, index: int) -> str:
-        return call_id(self.framing.request_id, index)
+        return call_id(self.choice_id or self.framing.request_id, index)

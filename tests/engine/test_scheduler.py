@@ -307,6 +307,39 @@ def test_prefix_cache_hits_skip_computing_cached_blocks() -> None:
     assert b.num_cached_tokens == 8
 
 
+@pytest.mark.parametrize("budget", [64, 6])  # the prompt's prefill in one step, or in four
+def test_a_prompt_being_prefilled_is_shared_by_one_that_arrives_with_it(budget: int) -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=budget)
+    for rid in ("a", "b", "c"):  # the n choices of one request: the same 18-token prompt
+        sched.add(make_request(rid, 18, first_token=0, max_tokens=3))
+    computed = {"a": 0, "b": 0, "c": 0}
+    cached: dict[str, int] = {}
+    while sched.has_unfinished():
+        out = step(sched)
+        for req, seq in zip(out.requests, out.batch.seqs, strict=True):
+            if seq.start_pos < req.num_prompt_tokens:
+                computed[req.request_id] += len(seq.token_ids)
+                cached.setdefault(req.request_id, req.num_cached_tokens)
+    # the first computes the whole prompt; the others read its 4 full blocks (16 tokens) from
+    # the cache and compute the rest (the last block is not full; the last token is computed)
+    assert computed == {"a": 18, "b": 2, "c": 2}
+    assert cached == {"a": 0, "b": 16, "c": 16}
+
+
+def test_without_prefill_sharing_each_computes_the_whole_prompt() -> None:
+    sched = make_scheduler(num_blocks=32, block_size=4, share_prefill=False)
+    for rid in ("a", "b"):
+        sched.add(make_request(rid, 18, first_token=0, max_tokens=1))
+    out = step(sched)
+    assert sorted(s.request_id for s in out.batch.seqs) == ["a", "b"]
+    assert all(len(s.token_ids) == 18 for s in out.batch.seqs)
+    # and a prompt nobody is prefilling never waits
+    shared = make_scheduler(num_blocks=32, block_size=4)
+    shared.add(make_request("x", 18, first_token=0))
+    shared.add(make_request("y", 18, first_token=1000))
+    assert len(step(shared).batch.seqs) == 2
+
+
 def test_config_is_validated() -> None:
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_num_batched_tokens=0)

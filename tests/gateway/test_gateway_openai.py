@@ -212,7 +212,7 @@ def test_unknown_model_is_404(sdk: openai.OpenAI) -> None:
 @pytest.mark.parametrize(
     ("kw", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 99}, "n"),
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"functions": [{"name": "f"}]}, "functions"),

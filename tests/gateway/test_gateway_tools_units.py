@@ -127,7 +127,7 @@ async def _stream(tokens: list[TokenEvent], end: TerminalEvent, framing: Framing
 @pytest.mark.parametrize(("text", "finish"), OUTPUTS)
 def test_streamed_chunks_reassemble_into_the_whole_answer(text: str, finish: str) -> None:
     framing = Framing("chatcmpl-tool-x", "chat", "m", 0, tools=True)
-    end = TerminalEvent("r", TerminalStatus.DONE, num_tokens=0, finish_reason=finish)
+    end = TerminalEvent(framing.request_id, TerminalStatus.DONE, finish_reason=finish)
     for step in (1, 3, 7, len(text)):
         tokens = _tokens(text, list(range(step, len(text), step)))
         whole = framing.response(tokens, end)["choices"][0]
@@ -146,3 +146,31 @@ def test_streamed_chunks_reassemble_into_the_whole_answer(text: str, finish: str
     if "tool_calls" in whole["message"]:
         assert finish != "stop" or whole["finish_reason"] == "tool_calls"
         assert all(c["id"].startswith("call_") for c in whole["message"]["tool_calls"])
+
+
+def test_n_cursors_and_usage() -> None:
+    from tokenfleet.producer.gateway.choices import combined_usage, parse_cursor
+
+    assert parse_cursor("4,-1,7", 3) == [5, 0, 8]
+    for bad in (None, "", "4,5", "a,b,c", "1,2,-3", "5"):
+        assert parse_cursor(bad, 3) == [0, 0, 0]
+    ends = [
+        TerminalEvent(
+            f"r.{i}", TerminalStatus.DONE, usage={"prompt_tokens": 9, "completion_tokens": i}
+        )
+        for i in range(1, 4)
+    ]
+    assert combined_usage(ends) == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    sub = chat_submission(chat(n=3, max_tokens=10), 9)
+    assert sub.n == 3 and sub.estimated_tokens >= 30  # the key is charged for every choice
+    with pytest.raises(ApiError) as info:
+        chat_submission(chat(n=0), 9)
+    assert info.value.param == "n"
+
+
+def test_a_batch_line_with_n_above_1_is_refused() -> None:
+    from tokenfleet.producer.gateway.batches.lines import LineError, submission
+
+    body = {"model": "m", "messages": ASK, "n": 2}
+    with pytest.raises(LineError, match="n > 1"):
+        submission("/v1/chat/completions", body, 9)

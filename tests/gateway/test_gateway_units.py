@@ -121,7 +121,6 @@ def test_chat_body_roles_parts_and_token_limits() -> None:
 @pytest.mark.parametrize(
     ("field", "off", "on"),
     [
-        ("n", 1, 3),
         ("service_tier", "auto", "flex"),
         ("presence_penalty", 0, 0.2),
         ("frequency_penalty", 0.0, 1),

@@ -1,13 +1,16 @@
-"""Tools (and, below, ``n``) as a user meets them: a real ``tokenfleet serve`` (uvicorn), a real
-worker on SmolLM2 (whose chat template does not know tools: the generic tools prompt), the
-official ``openai`` SDK. Every call's arguments are validated with ``jsonschema`` against the
-function's ``parameters``; a streamed answer is reassembled by the SDK's own stream helper and
-must equal the whole one."""
+"""Tools and ``n`` as a user meets them: a real ``tokenfleet serve`` (uvicorn), two real workers
+on SmolLM2 (whose chat template does not know tools: the generic tools prompt), the official
+``openai`` SDK. Every call's arguments are validated with ``jsonschema`` against the function's
+``parameters``; a streamed answer is reassembled by the SDK's own stream helper and must equal
+the whole one. ``n`` choices: identical when greedy, distinct and each reproducible alone when
+seeded; cancelled, left or crashed, every choice ends once. The workers' heartbeats are short
+(3 s) so a takeover happens within the test."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +27,7 @@ from conftest import MODEL_CACHE
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 PREFIX = "tfcontract-real"
-WORKER = "contract-a"
+WORKERS = ("contract-a", "contract-b")
 
 
 def _poll(check: Any, what: str, timeout_s: float = 300.0) -> Any:
@@ -58,10 +61,12 @@ def fleet(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cli = [sys.executable, "-m", "tokenfleet.worker.cli"]
+    timers = ["--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5"]
     commands = {
-        WORKER: ["worker", "--model", "smollm2", "--name", WORKER, "--threads", "1"],
-        "gateway": ["serve", "--port", str(port), "--log-level", "warning"],
+        name: ["worker", "--model", "smollm2", "--name", name, "--threads", "1", *timers]
+        for name in WORKERS
     }
+    commands["gateway"] = ["serve", "--port", str(port), "--log-level", "warning"]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name, args in commands.items():
         with open(logs / f"{name}.log", "wb") as log:
@@ -78,9 +83,9 @@ def fleet(
                 models = httpx.get(url + "/models", timeout=2).json()["data"]
             except httpx.HTTPError:
                 return False
-            return bool(models) and models[0]["tokenfleet"]["workers"] == [WORKER]
+            return bool(models) and sorted(models[0]["tokenfleet"]["workers"]) == list(WORKERS)
 
-        _poll(ready, "the worker and the gateway")
+        _poll(ready, "the workers and the gateway")
         yield Fleet(url, procs, logs)
     finally:
         for p in procs.values():
@@ -260,3 +265,164 @@ def test_bad_tools_are_400s_naming_the_field(sdk: openai.OpenAI) -> None:
         with pytest.raises(openai.BadRequestError) as info:
             sdk.chat.completions.create(model="default", messages=ASK_WEATHER, **kw)
         assert info.value.param == param, kw
+
+
+# -- n > 1 --------------------------------------------------------------------------------------
+
+POEM: list[Any] = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def _streamed_choices(sdk: openai.OpenAI, **kw: Any) -> tuple[dict[int, str], dict[int, Any]]:
+    """Each choice's text and finish reason, from the chunks (each carries its index)."""
+    texts: dict[int, str] = {}
+    finishes: dict[int, Any] = {}
+    for chunk in sdk.chat.completions.create(model="default", stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                assert c.index not in finishes  # each choice ends once
+                finishes[c.index] = c.finish_reason
+    return texts, finishes
+
+
+def test_n_greedy_choices_are_identical_streamed_and_not(sdk: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"messages": POEM, "max_tokens": 24, "temperature": 0, "n": 3}
+    r = sdk.chat.completions.create(model="default", **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert texts[0] and texts == [texts[0]] * 3
+    one = sdk.chat.completions.create(model="default", **{**kw, "n": 1})
+    assert r.usage is not None and one.usage is not None
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens  # the shared prompt, once
+    assert r.usage.completion_tokens == 3 * one.usage.completion_tokens
+    streamed, finishes = _streamed_choices(sdk, **kw)
+    assert streamed == dict(enumerate(texts))
+    assert finishes == {i: c.finish_reason for i, c in enumerate(r.choices)}
+    legacy = sdk.completions.create(
+        model="default", prompt="The sea is", max_tokens=8, temperature=0, n=2
+    )
+    assert [c.index for c in legacy.choices] == [0, 1]
+    assert legacy.choices[0].text == legacy.choices[1].text
+
+
+def test_n_seeded_choices_differ_and_each_is_reproducible_alone(sdk: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"messages": POEM, "max_tokens": 24, "temperature": 1.0, "seed": 40}
+    r = sdk.chat.completions.create(model="default", n=3, **kw)
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3, texts
+    again, _ = _streamed_choices(sdk, n=3, **kw)
+    assert again == dict(enumerate(texts))
+    for i in range(3):  # choice i is the request with seed + i, whatever else runs with it
+        alone = sdk.chat.completions.create(model="default", **{**kw, "seed": 40 + i})
+        assert alone.choices[0].message.content == texts[i]
+
+
+def _status(fleet: Fleet, rid: str) -> str:
+    record: dict[str, Any] = httpx.get(f"{fleet.url}/requests/{rid}", timeout=10).json()
+    return str(record["status"])
+
+
+def test_cancelling_an_n_request_ends_every_choice_once(fleet: Fleet) -> None:
+    body = {
+        "model": "default",
+        "messages": POEM,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "n": 3,
+        "stream": True,
+    }
+    with httpx.stream("POST", fleet.url + "/chat/completions", json=body, timeout=120) as resp:
+        rid = resp.headers["x-request-id"]
+        seen: set[int] = set()
+        errors = []
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                errors.append(data["error"])
+                continue
+            seen |= {c["index"] for c in data["choices"]}
+            if seen == {0, 1, 2} and not errors:
+                answer = httpx.post(f"{fleet.url}/requests/{rid}/cancel", timeout=10).json()
+                assert answer["cancelled"] and len(answer["choices"]) == 3
+                seen.add(-1)  # cancel once
+    assert len(errors) == 1 and errors[0]["code"] == "cancelled"
+    _poll(  # a running choice ends at its worker's next step
+        lambda: [_status(fleet, f"{rid}.{i}") for i in range(3)] == ["cancelled"] * 3,
+        "every choice cancelled",
+        60,
+    )
+
+
+def test_a_client_leaving_an_n_stream_cancels_every_choice(fleet: Fleet) -> None:
+    body = {
+        "model": "default",
+        "messages": POEM,
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "n": 2,
+        "stream": True,
+    }
+    headers = {"X-On-Disconnect": "cancel"}
+    with httpx.stream(
+        "POST", fleet.url + "/chat/completions", json=body, headers=headers, timeout=120
+    ) as resp:
+        rid = resp.headers["x-request-id"]
+        for line in resp.iter_lines():
+            if line.startswith("id: "):
+                break  # a token came: leave
+    _poll(
+        lambda: [_status(fleet, f"{rid}.{i}") for i in range(2)] == ["cancelled"] * 2,
+        "both choices cancelled",
+        60,
+    )
+
+
+def test_n_above_the_limit_is_a_400_naming_n(sdk: openai.OpenAI) -> None:
+    for n in (9, 0):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model="default", messages=POEM, n=n)
+        assert info.value.param == "n"
+
+
+def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: Fleet) -> None:
+    """Runs last: it kills a worker running a choice; the other resumes it."""
+    body = {
+        "model": "default",
+        "messages": POEM,
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+    }
+    texts = {0: "", 1: ""}
+    killed = None
+    finishes: dict[int, str] = {}
+    with httpx.stream("POST", fleet.url + "/chat/completions", json=body, timeout=300) as resp:
+        rid = resp.headers["x-request-id"]
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            assert "error" not in data, data
+            for c in data["choices"]:
+                texts[c["index"]] += c["delta"].get("content") or ""
+                if c["finish_reason"]:
+                    assert c["index"] not in finishes
+                    finishes[c["index"]] = c["finish_reason"]
+            if killed is None and min(len(t) for t in texts.values()) > 10:
+                record = httpx.get(f"{fleet.url}/requests/{rid}.0", timeout=30).json()
+                killed = record["worker"]
+                assert killed in WORKERS, record
+                fleet.procs[killed].send_signal(signal.SIGKILL)
+                fleet.procs[killed].wait(30)
+    assert killed is not None and finishes == {0: "length", 1: "length"}
+    assert texts[0] == texts[1]  # greedy: the resumed choice goes on exactly as the other
+    for i in range(2):
+        record = httpx.get(f"{fleet.url}/requests/{rid}.{i}", timeout=30).json()
+        assert record["status"] == "done" and record["text"] == texts[i], record
+        assert record["num_tokens"] == 60
+    record = httpx.get(f"{fleet.url}/requests/{rid}.0", timeout=30).json()
+    assert record["attempts"] == 2 and record["ran_on"] != killed

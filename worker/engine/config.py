@@ -37,6 +37,7 @@ class EngineConfig:
     max_wait_s: float | None = 30.0  # anti-starvation: boost after this many waiting seconds
     background_yields: bool = True  # batch-priority work sits out steps that prefill urgent work
     max_yield_steps: int = 8  # ... at most this many steps in a row
+    share_prefill: bool = True  # a prompt being prefilled by another request waits to share it
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
     quantization: str = "none"  # none | int8 | int4 | auto (a GGUF file's own precision)
@@ -70,6 +71,7 @@ class EngineConfig:
             max_wait_s=self.max_wait_s,
             background_yields=self.background_yields,
             max_yield_steps=self.max_yield_steps,
+            share_prefill=self.share_prefill and self.enable_prefix_caching,
         )
 
     @property

@@ -66,6 +66,7 @@ class SchedulerConfig:
     max_wait_s: float | None = 30.0  # boost a request waiting this many seconds (None = never)
     background_yields: bool = True  # background work sits out steps that prefill urgent work
     max_yield_steps: int = 8  # ... but never more than this many steps in a row
+    share_prefill: bool = True  # a prompt whose next blocks a running prefill computes waits
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -314,6 +315,8 @@ class Scheduler:
                 out.finished.append(req)
                 continue
             extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
+            if self.config.share_prefill and self._prefill_in_flight(req):
+                break  # (no skipping) it starts when they are cached: computed once, shared
             fits = (
                 len(self.running) < self.config.max_num_seqs
                 and self.block_manager.can_allocate(req.num_tokens, req.block_hashes)
@@ -342,6 +345,28 @@ class Scheduler:
             prefill[req.request_id] = self._chunk(req, n)
             budget -= n
         return budget
+
+    def _prefill_in_flight(self, req: Request) -> bool:
+        """Is the first block of ``req``'s prompt that the prefix cache does not hold yet being
+        computed now by a running request (the same chained hash, not computed)? Then ``req``
+        waits for it (a step or a few: that prefill is scheduled every step) and is admitted
+        with those blocks as cache hits, instead of computing the same K/V a second time: the
+        ``n`` choices of a request, or requests sent together with one long system prompt,
+        prefill their shared prompt once (docs/engine.md, "Prefix caching")."""
+        bm = self.block_manager
+        if not bm.enable_prefix_caching or not self.running:
+            return False
+        hits = bm.num_cache_hit_blocks(req.num_tokens, req.block_hashes)
+        if hits >= min(len(req.block_hashes), (req.num_tokens - 1) // self.block_size):
+            return False  # nothing more could hit
+        wanted = req.block_hashes[hits]
+        end = (hits + 1) * self.block_size  # the block is computed once a request passed this
+        return any(
+            len(r.block_hashes) > hits
+            and r.block_hashes[hits] == wanted
+            and r.num_computed_tokens < end
+            for r in self.running
+        )
 
     def _by_id(self, request_id: str) -> Request:
         return next(r for r in self.running if r.request_id == request_id)
