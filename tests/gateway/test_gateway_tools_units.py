@@ -174,3 +174,72 @@ def test_a_batch_line_with_n_above_1_is_refused() -> None:
     body = {"model": "m", "messages": ASK, "n": 2}
     with pytest.raises(LineError, match="n > 1"):
         submission("/v1/chat/completions", body, 9)
+
+
+class _FakeHandle:
+    """A handle whose stream replays fixed events (from an index), as the durable record does."""
+
+    def __init__(self, request_id: str, texts: list[str]) -> None:
+        self.request_id = request_id
+        self.events: list[Any] = [TokenEvent(request_id, i, i, t) for i, t in enumerate(texts)]
+        self.events.append(
+            TerminalEvent(request_id, TerminalStatus.DONE, len(texts), finish_reason="length")
+        )
+
+    async def stream(self, from_index: int = 0) -> AsyncIterator[Any]:
+        for e in self.events:
+            if not isinstance(e, TokenEvent) or e.index >= from_index:
+                yield e
+
+    def close(self) -> None:
+        pass
+
+
+async def _choice_chunks(cursor: list[int], tools: bool = False) -> list[tuple[str | None, Any]]:
+    from tokenfleet.producer.gateway.choices import choice_events
+
+    framing = Framing("chatcmpl-x", "chat", "m", 0, tools=tools)
+    texts = [["a", "b", "c"], ["x", "y"], ["p", "q", "r", "s"]]
+    handles: Any = [_FakeHandle(f"chatcmpl-x.{i}", t) for i, t in enumerate(texts)]
+
+    async def cancel(_rid: str) -> bool:
+        raise AssertionError("nothing to cancel")
+
+    out = []
+    async for sse in choice_events(
+        handles, framing, cursor=cursor, include_usage=True, state=StreamState(), cancel=cancel
+    ):
+        out.append((sse.id, sse.data if sse.data == "[DONE]" else orjson.loads(str(sse.data))))
+    return out
+
+
+def test_n_streams_resume_every_choice_from_its_cursor() -> None:
+    whole = asyncio.run(_choice_chunks([0, 0, 0]))
+    texts: dict[int, str] = {}
+    for _, data in whole:
+        for c in data["choices"] if isinstance(data, dict) else []:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    assert texts == {0: "abc", 1: "xy", 2: "pqrs"}
+    assert whole[-2][1]["usage"]["completion_tokens"] == 9 and whole[-1][1] == "[DONE]"
+    # resume after some chunk: each choice continues after its own last index, nothing twice
+    for at, (sid, _) in enumerate(whole):
+        if sid is None:
+            continue
+        cursor = [int(p) + 1 for p in sid.split(",")]
+        rest = asyncio.run(_choice_chunks(cursor))
+        seen = {
+            (c["index"], c["delta"].get("content"))
+            for _, d in whole[: at + 1]
+            if isinstance(d, dict)
+            for c in d["choices"]
+            if c["delta"].get("content")
+        }
+        again = {
+            (c["index"], c["delta"].get("content"))
+            for _, d in rest
+            if isinstance(d, dict)
+            for c in d["choices"]
+            if c["delta"].get("content")
+        }
+        assert not seen & again
+        assert len(seen | again) == 9

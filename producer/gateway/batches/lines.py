@@ -99,7 +99,9 @@ def submission(endpoint: str, body: dict[str, Any], default_max_tokens: int) -> 
     if sub.stream:
         raise LineError("invalid_body", "stream: true is not supported in a batch")
     if sub.n > 1:
-        raise LineError("invalid_body", "n > 1 is not supported in a batch: one line a choice")
+        raise LineError(
+            "unsupported_parameter", "n > 1 is not supported in a batch: one line a choice"
+        )
     if sub.priority not in (None, "batch"):
         raise LineError("invalid_body", "every batch line runs at priority 'batch'")
     return sub
