@@ -39,9 +39,11 @@ from typing import Any
 
 import httpx
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 
+N4_KEYS = {"fleet": "n4-fleet", "engine": "n4-engine"}  # its rows in benchmarks/RESULTS.md
 SYSTEM = (
     "You are the assistant of a harbour office. Ships arrive and leave every hour; each has a "
     "name, a flag, a length in metres, a cargo and a berth. You answer questions about the "
@@ -147,7 +149,7 @@ def start_side(
     return Side(name, url, mport), fleet, gateway
 
 
-async def measure(sides: list[Side], rounds: int, max_tokens: int) -> None:
+async def measure(sides: list[Side], rounds: int, max_tokens: int) -> dict[str, str]:
     results: dict[tuple[str, str], list[tuple[float, int]]] = {}
     prompt = 0
     async with httpx.AsyncClient(timeout=600) as client:
@@ -165,14 +167,18 @@ async def measure(sides: list[Side], rounds: int, max_tokens: int) -> None:
                 print(f"round {r} {side.name:>8} {mode:>4}: {elapsed:6.2f} s, {filled} prefilled")
     print(f"\nprompt: {prompt} tokens; 4 answers of {max_tokens} tokens; median of {rounds} rounds")
     print(f"{'fleet':>9} {'request':>14} {'prefilled':>10} {'time s':>8}")
+    medians = {}
     for (name, mode), rows in results.items():
         label = "n = 4" if mode == "n4" else "4 separate"
         t = statistics.median(e for e, _ in rows)
         f = statistics.median(p for _, p in rows)
+        medians[(name, mode)] = (f, t)
         print(f"{name:>9} {label:>14} {f:>10.0f} {t:>8.2f}")
+    (fn, tn), (ff, tf) = medians[("shared", "n4")], medians[("shared", "four")]
+    return {N4_KEYS["fleet"]: f"{fn:.0f} against {ff:.0f}; {tn:.2f} against {tf:.2f} s"}
 
 
-def engine_rounds(rounds: int, threads: int, max_tokens: int, repeat: int) -> None:
+def engine_rounds(rounds: int, threads: int, max_tokens: int, repeat: int) -> dict[str, str]:
     """The ``--engine`` measurement (module doc)."""
     import torch
 
@@ -222,10 +228,14 @@ def engine_rounds(rounds: int, threads: int, max_tokens: int, repeat: int) -> No
         f"\nin-process engine, torch threads {threads}; prompt {num_prompt} tokens; "
         f"4 requests of {max_tokens} tokens added at once; median of {rounds} rounds"
     )
+    medians = {}
     for share, rows in results.items():
         t = statistics.median(e for e, _ in rows)
         f = statistics.median(p for _, p in rows)
+        medians[share] = (f, t)
         print(f"share_prefill={share!s:>5}: {f:.0f} prompt tokens prefilled, {t:.2f} s")
+    (fo, to), (ff, tf) = medians[True], medians[False]
+    return {N4_KEYS["engine"]: f"{fo:.0f} against {ff:.0f}; {to:.2f} against {tf:.2f} s"}
 
 
 def main() -> None:
@@ -235,9 +245,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--engine", action="store_true", help="in-process engine only (doc)")
     ap.add_argument("--engine-repeat", type=int, default=4, help="the prompt, this many times")
+    add_record_flag(ap)
     args = ap.parse_args()
     if args.engine:
-        engine_rounds(args.rounds, args.threads, args.max_tokens, args.engine_repeat)
+        figures = engine_rounds(args.rounds, args.threads, args.max_tokens, args.engine_repeat)
+        if args.record:
+            record_figures(figures, benchmarks=Path(__file__).parent)
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-n-"))
     print(f"worker torch threads {args.threads}; SmolLM2-135M-Instruct; one worker per fleet")
@@ -246,7 +259,9 @@ def main() -> None:
         try:
             for name, extra in (("shared", []), ("unshared", ["--no-share-prefill"])):
                 started.append(start_side(name, server.url, tmp, args.threads, extra))
-            asyncio.run(measure([s for s, _, _ in started], args.rounds, args.max_tokens))
+            figures = asyncio.run(measure([s for s, _, _ in started], args.rounds, args.max_tokens))
+            if args.record:
+                record_figures(figures, benchmarks=Path(__file__).parent)
         finally:
             for _, fleet, gateway in started:
                 gateway.terminate()

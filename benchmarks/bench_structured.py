@@ -26,6 +26,10 @@ from typing import Any
 import jsonschema
 import torch
 
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+
+STRUCTURED_KEY = "structured-32"  # its row in benchmarks/RESULTS.md
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -81,6 +85,7 @@ CITIES = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
+    add_record_flag(ap)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--max-tokens", type=int, default=120)
     args = ap.parse_args()
@@ -130,6 +135,7 @@ def main() -> None:
         f"{'valid':>7}  ratios per round"
     )
     total_valid = total = 0
+    ratio_32 = 0.0
     for c in (1, 8, 32):
         ratios, times_c, times_u = [], [], []
         valid = tokens = 0
@@ -160,12 +166,16 @@ def main() -> None:
             times_u.append(t_u)
             ratios.append(t_u / t_c)
         total_valid += valid
+        ratio_32 = statistics.median(ratios)
         print(
             f"{c:>3} {tokens:>7} {statistics.median(times_c):>14.2f} "
             f"{statistics.median(times_u):>9.2f} {statistics.median(ratios):>6.3f} "
             f"{valid:>3}/{c * args.rounds:<3}  {' '.join(f'{x:.3f}' for x in ratios)}"
         )
     print(f"schema validity: {total_valid}/{total} = {100 * total_valid / total:.1f} %")
+    if args.record:  # its row in benchmarks/RESULTS.md
+        figures = {STRUCTURED_KEY: f"{ratio_32:.3f}; {total_valid}/{total}"}
+        record_figures(figures, benchmarks=Path(__file__).parent)
 
 
 if __name__ == "__main__":
