@@ -28,6 +28,10 @@ from tokenfleet.shared.schema.tools import ToolSpec
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 MAX_CONSTRAINT_BYTES = 65_536  # a spec's JSON form at most (schemas, grammars, choice lists)
 MAX_CHOICES = 1024
+# JSON without free whitespace between tokens (as vLLM's disable_any_whitespace): a small model
+# given the choice can emit whitespace until max_tokens and never close the object. A schema's own
+# "x-guidance" options still win over these defaults.
+_JSON_LAYOUT = {"whitespace_flexible": False}
 MAX_CHOICE_CHARS = 4096
 
 
@@ -143,9 +147,10 @@ class Constraint:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
-            return str(LLMatcher.grammar_from_json_schema(self.spec))
+            return str(LLMatcher.grammar_from_json_schema(self.spec, defaults=_JSON_LAYOUT))
         if self.kind == "json_object":
-            return str(LLMatcher.grammar_from_json_schema({"type": "object"}))
+            any_object = {"type": "object"}
+            return str(LLMatcher.grammar_from_json_schema(any_object, defaults=_JSON_LAYOUT))
         if self.kind == "regex":
             return str(LLMatcher.grammar_from_regex(self.spec))
         if self.kind == "tools":

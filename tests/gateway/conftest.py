@@ -1,8 +1,9 @@
 """Gateway fixtures: one real worker (tiny Llama) and one real gateway process, started once
-per session on the session's private Redis under a key prefix of their own and shared by every
-module that takes the default ``fleet`` (modules that need other flags start their own, per
-module). Nothing here flushes Redis (the suite's ``r`` / ``redis_url`` fixtures do: gateway
-tests use ``plain_redis`` instead)."""
+per session on a private Redis server of their own (the suite's ``r`` / ``redis_url`` fixtures
+flush the shared one, and some tests assert that it holds nothing they did not write) and shared
+by every module that takes the default ``fleet`` (modules that need other flags start their
+own, per module, on the shared server). Nothing here flushes Redis (gateway tests use
+``plain_redis`` instead)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,16 @@ def plain_redis(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture(scope="session")
-def fleet(
-    redis_server: RedisServer, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Fleet]:
+def fleet(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """The default fleet, shared by the modules that use it: no test of theirs signals or stops
     its worker or gateway, nor changes a setting of theirs (a test that kills a gateway starts a
-    second one: ``Fleet.second_gateway``)."""
-    client = redis.Redis.from_url(redis_server.url)
+    second one: ``Fleet.second_gateway``). Its tests reach its Redis through ``fleet.r`` and
+    ``fleet.redis_url``."""
+    server = RedisServer(unix_socket=True, prefer="system").start()
+    client = redis.Redis.from_url(server.url)
     log_dir = tmp_path_factory.mktemp("gateway-logs")
     try:
-        yield from module_fleet(redis_server, client, tiny_llama_dir, log_dir, threaded=True)
+        yield from module_fleet(server, client, tiny_llama_dir, log_dir, threaded=True)
     finally:
         client.close()
+        server.stop()

@@ -57,8 +57,14 @@ def post(fleet: Fleet, path: str, content: bytes, **headers: str) -> httpx.Respo
             "invalid_request",
             None,
         ),
-        (
+        (  # a tool result must say which call it answers
             b'{"model": "default", "messages": [{"role": "tool", "content": "x"}]}',
+            400,
+            None,
+            "messages[0].tool_call_id",
+        ),
+        (
+            b'{"model": "default", "messages": [{"role": "robot", "content": "x"}]}',
             400,
             None,
             "messages[0].role",
