@@ -17,7 +17,7 @@ overlaps that with the forward pass (benchmarks/RESULTS.md, "Grammar libraries")
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -25,13 +25,16 @@ from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.schema.fields import check_text
 from tokenfleet.shared.schema.tools import ToolSpec
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 MAX_CONSTRAINT_BYTES = 65_536  # a spec's JSON form at most (schemas, grammars, choice lists)
 MAX_CHOICES = 1024
 # JSON without free whitespace between tokens (as vLLM's disable_any_whitespace): a small model
 # given the choice can emit whitespace until max_tokens and never close the object. A schema's own
 # "x-guidance" options still win over these defaults.
-_JSON_LAYOUT = {"whitespace_flexible": False}
+_JSON_LAYOUT: JsonCompileOptions = {"whitespace_flexible": False}
 MAX_CHOICE_CHARS = 4096
 
 
