@@ -16,8 +16,9 @@ overlaps that with the forward pass (benchmarks/RESULTS.md, "Grammar libraries")
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -25,7 +26,7 @@ from tokenfleet.shared.errors import InvalidRequest
 from tokenfleet.shared.schema.fields import check_text
 from tokenfleet.shared.schema.tools import ToolSpec
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
