@@ -41,6 +41,7 @@ pytestmark = pytest.mark.slow
 
 KEEPALIVE_S = "0.1"
 NUM_TOKENS = 300  # the tiny model needs seconds for these: the staller stops it long before
+BROWSER_TOKENS = 1500  # the browser test: more than an idle machine makes before its stall
 CHAT: Any = [{"role": "user", "content": "Tell a long story about queues."}]
 
 
@@ -67,9 +68,9 @@ def record(fleet: Fleet, rid: str) -> dict[str, Any]:
     return httpx.get(f"{fleet.base_url}/requests/{rid}", timeout=10).json()
 
 
-def submitted_in_background(fleet: Fleet, prompt: str) -> str:
+def submitted_in_background(fleet: Fleet, prompt: str, max_tokens: int = NUM_TOKENS) -> str:
     """A streaming request whose submitter leaves at once (``continue``): its id."""
-    body = {"model": "default", "prompt": prompt, "max_tokens": NUM_TOKENS, "stream": True}
+    body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     body["ignore_eos"] = True
     headers = {"X-On-Disconnect": "continue"}
     url = f"{fleet.base_url}/completions"
@@ -300,7 +301,9 @@ def test_browser_eventsource_across_keepalives_and_a_gateway_restart(fleet: Flee
     stalls (keep-alives only) and while the gateway is SIGKILLed and started again on the same
     port: the browser reconnects by itself with ``Last-Event-ID`` and the tokens it shows are
     every index once, in order. Runs last in the module: it replaces the module's gateway."""
-    rid = submitted_in_background(fleet, "a browser follows")
+    # long enough that an idle machine cannot finish it between the browser's 3rd token and
+    # the SIGSTOP (with 300 tokens it once did: the stall and the restart then tested nothing)
+    rid = submitted_in_background(fleet, "a browser follows", max_tokens=BROWSER_TOKENS)
     origin = fleet.gateway.url
     with headless_chromium() as browser:
         page = browser.new_page()
@@ -313,6 +316,7 @@ def test_browser_eventsource_across_keepalives_and_a_gateway_restart(fleet: Flee
         fleet.worker.signal(signal.SIGSTOP)  # the stream now carries keep-alives only
         try:
             page.wait_for_timeout(1_000)  # ten keep-alive intervals in the browser
+            assert not page.evaluate("window.seen.done"), "the request ended before the stall"
             fleet.gateway.signal(signal.SIGKILL)
             fleet.gateway.proc.wait(10)
             fleet.gateway.close()
@@ -331,5 +335,5 @@ def test_browser_eventsource_across_keepalives_and_a_gateway_restart(fleet: Flee
         seen = page.evaluate("window.seen")
     assert seen["bad"] == []
     assert seen["opens"] == 2  # the first connection and the browser's own reconnect
-    assert [i for i, _ in seen["tokens"]] == list(range(NUM_TOKENS))
+    assert [i for i, _ in seen["tokens"]] == list(range(BROWSER_TOKENS))
     assert "".join(t for _, t in seen["tokens"]) == record(fleet, rid)["text"]
