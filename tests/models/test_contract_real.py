@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,19 +23,11 @@ import jsonschema
 import openai
 import pytest
 from conftest import MODEL_CACHE
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 PREFIX = "tfcontract-real"
 WORKERS = ("contract-a", "contract-b")
-
-
-def _poll(check: Any, what: str, timeout_s: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 class Fleet:
@@ -85,7 +76,7 @@ def fleet(
                 return False
             return bool(models) and sorted(models[0]["tokenfleet"]["workers"]) == list(WORKERS)
 
-        _poll(ready, "the workers and the gateway")
+        wait_for(ready, "the workers and the gateway", timeout_s=300.0, poll_s=0.1)
         yield Fleet(url, procs, logs)
     finally:
         for p in procs.values():
@@ -348,7 +339,7 @@ def test_cancelling_an_n_request_ends_every_choice_once(fleet: Fleet) -> None:
                 assert answer["cancelled"] and len(answer["choices"]) == 3
                 seen.add(-1)  # cancel once
     assert len(errors) == 1 and errors[0]["code"] == "cancelled"
-    _poll(  # a running choice ends at its worker's next step
+    wait_for(  # a running choice ends at its worker's next step
         lambda: [_status(fleet, f"{rid}.{i}") for i in range(3)] == ["cancelled"] * 3,
         "every choice cancelled",
         60,
@@ -372,7 +363,7 @@ def test_a_client_leaving_an_n_stream_cancels_every_choice(fleet: Fleet) -> None
         for line in resp.iter_lines():
             if line.startswith("id: "):
                 break  # a token came: leave
-    _poll(
+    wait_for(
         lambda: [_status(fleet, f"{rid}.{i}") for i in range(2)] == ["cancelled"] * 2,
         "both choices cancelled",
         60,

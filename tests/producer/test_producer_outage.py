@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from typing import Any
 
 import pytest
 import redis
 from producer_helpers import FakeWorker
+from waiting import wait_for
 
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.producer.core.outage import CEILING_S, FIRST_S, OutageClock
@@ -22,13 +22,6 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import Event, TerminalEvent, TokenEvent
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
-
-
-def _wait(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def _lose(r: redis.Redis, keys: Keys, rid: str) -> None:
@@ -55,10 +48,13 @@ def test_a_lost_request_is_submitted_again_by_its_handle_and_read_on(
     events: list[Event] = []
     reader = threading.Thread(target=lambda: events.extend(handle.stream(timeout=60)))
     reader.start()
-    _wait(lambda: len(events) >= 2, "the first two tokens")
+    wait_for(lambda: len(events) >= 2, "the first two tokens")
     for loss in (1, 2):
         _lose(r, keys, rid)
-        _wait(lambda: handle.resubmits == loss and r.exists(keys.record(rid)), f"resubmit {loss}")  # noqa: B023
+        wait_for(
+            lambda: handle.resubmits == loss and r.exists(keys.record(rid)),  # noqa: B023
+            f"resubmit {loss}",
+        )
         entries: Any = r.xrange(stream_key)
         assert [(e[1][b"id"], e[1][b"d"]) for e in entries] == [(rid.encode(), payload)]
     assert worker.take() == rid  # the new run: its first tokens repeat, the reader drops them
