@@ -45,6 +45,8 @@ from tokenfleet.worker.devtools.local_redis import RedisServer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workload import percentile
 
+HEADLINE_KEYS = ("batch-throughput", "batch-ttft")  # its rows in benchmarks/RESULTS.md
+
 TOPICS = ["Redis", "queues", "batching", "caches", "streams", "workers", "GPUs", "tokens"]
 
 
@@ -206,7 +208,7 @@ def main() -> None:
             for fleet in fleets:
                 fleet.stop()
     if args.record:
-        record_figures(figures, benchmarks=Path(__file__).parent)
+        record_figures(figures, benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS)
 
 
 if __name__ == "__main__":

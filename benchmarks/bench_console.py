@@ -51,6 +51,9 @@ from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import start, wait  # (the same child processes, the same readiness polls)
 
+# its rows in benchmarks/RESULTS.md
+HEADLINE_KEYS = ("console-gateway-rate", "console-step-time", "console-gateway-cpu")
+
 
 def cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process ``pid`` has used so far."""
@@ -265,7 +268,7 @@ def main() -> int:  # noqa: PLR0915 (the benchmark's scenario, read top to botto
                     "console-step-time": _with_spread(ratios["step ms"], spread["step ms"]),
                     "console-gateway-cpu": f"{gw_open:.1f} % open, {gw_closed:.1f} % closed",
                 }
-                record_figures(figures, benchmarks=Path(__file__).parent)
+                record_figures(figures, benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS)
         finally:
             for proc in (gateway, worker):
                 proc.terminate()

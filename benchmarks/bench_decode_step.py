@@ -138,7 +138,7 @@ def tokenfleet_side(
 
     if quantization != "none":
         return Side(f"tokenfleet, {runner.quantization.applied}", step)
-    return Side("tokenfleet, shuffled tables" if shuffled else OURS, step)
+    return Side(SHUFFLED if shuffled else OURS, step)
 
 
 def hf_side(
@@ -188,7 +188,10 @@ def hf_side(
 FLOOR = "floor: no attention at all"
 HF_SDPA = "HF sdpa + DynamicCache"
 OURS = "tokenfleet, BlockManager tables"
-HEADLINE_KEYS = ("decode-step", "smollm2-decode")  # benchmarks/RESULTS.md rows this script measures
+# benchmarks/RESULTS.md rows this script measures: ours ÷ HF sdpa per batch size (the first two),
+# the quantized side ÷ HF sdpa (the third); each row is written by its own command
+HEADLINE_KEYS = ("decode-step", "smollm2-decode", "smollm2-decode-int4")
+SHUFFLED = "tokenfleet, shuffled tables"
 
 
 def floor_side(
@@ -333,14 +336,31 @@ def main() -> None:
     if args.plot:
         title = f"decode step, {args.model or 'tiny llama'}, {args.threads} thread(s)"
         plot(results, Path(args.plot), title)
-    if args.record:  # ours ÷ HF sdpa per batch size; the row whose command this run is, if any
-        ratio = " / ".join(f"{ours_vs_hf(results[b]):.2f}" for b in batches)
-        record_figures(dict.fromkeys(HEADLINE_KEYS, ratio), benchmarks=Path(__file__).parent)
+    if args.record:  # the rows whose command this run is, if any
+        plain, quantized = HEADLINE_KEYS[:2], HEADLINE_KEYS[2]
+        figures = dict.fromkeys(
+            plain, " / ".join(f"{vs_hf(results[b], OURS):.2f}" for b in batches)
+        )
+        quant = quantized_side(results[batches[0]])
+        if quant is not None:  # and in brackets ours and the quantized step at the first batch
+            ms = [statistics.median(results[batches[0]][side]) * 1e3 for side in (OURS, quant)]
+            figures[quantized] = (
+                " / ".join(f"{vs_hf(results[b], quant):.2f}" for b in batches)
+                + f" ({ms[0]:.0f} → {ms[1]:.0f} ms)"
+            )
+        record_figures(figures, benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS)
 
 
-def ours_vs_hf(times: dict[str, list[float]]) -> float:
-    """The headline ratio: tokenfleet's step (BlockManager tables) ÷ HF sdpa's, medians."""
-    return statistics.median(times[OURS]) / statistics.median(times[HF_SDPA])
+def vs_hf(times: dict[str, list[float]], side: str) -> float:
+    """A headline ratio: ``side``'s step ÷ HF sdpa's, medians."""
+    return statistics.median(times[side]) / statistics.median(times[HF_SDPA])
+
+
+def quantized_side(times: dict[str, list[float]]) -> str | None:
+    """The quantized tokenfleet side's name (``tokenfleet, <mode applied>``), if it ran."""
+    return next(
+        (n for n in times if n.startswith("tokenfleet, ") and n not in (OURS, SHUFFLED)), None
+    )
 
 
 if __name__ == "__main__":

@@ -226,6 +226,7 @@ def report(results: dict[str, list[Side]], costs: dict[int, float], *, record: b
                 pull_key: " / ".join(f"{costs[n]:.1f}" for n in (-1, 0, 2, 16)),
             },
             benchmarks=Path(__file__).parent,
+            keys=HEADLINE_KEYS,
         )
 
 

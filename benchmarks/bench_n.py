@@ -43,7 +43,8 @@ from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figur
 from tokenfleet.worker.devtools.local_fleet import LocalFleet
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
 
-N4_KEYS = {"fleet": "n4-fleet", "engine": "n4-engine"}  # its rows in benchmarks/RESULTS.md
+HEADLINE_KEYS = ("n4-fleet", "n4-engine")  # its rows in benchmarks/RESULTS.md
+N4_KEYS = dict(zip(("fleet", "engine"), HEADLINE_KEYS, strict=True))
 SYSTEM = (
     "You are the assistant of a harbour office. Ships arrive and leave every hour; each has a "
     "name, a flag, a length in metres, a cargo and a berth. You answer questions about the "
@@ -250,7 +251,7 @@ def main() -> None:
     if args.engine:
         figures = engine_rounds(args.rounds, args.threads, args.max_tokens, args.engine_repeat)
         if args.record:
-            record_figures(figures, benchmarks=Path(__file__).parent)
+            record_figures(figures, benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS)
         return
     tmp = Path(tempfile.mkdtemp(prefix="bench-n-"))
     print(f"worker torch threads {args.threads}; SmolLM2-135M-Instruct; one worker per fleet")
@@ -261,7 +262,7 @@ def main() -> None:
                 started.append(start_side(name, server.url, tmp, args.threads, extra))
             figures = asyncio.run(measure([s for s, _, _ in started], args.rounds, args.max_tokens))
             if args.record:
-                record_figures(figures, benchmarks=Path(__file__).parent)
+                record_figures(figures, benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS)
         finally:
             for _, fleet, gateway in started:
                 gateway.terminate()

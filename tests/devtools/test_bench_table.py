@@ -120,18 +120,26 @@ def test_the_run_command_is_the_script_and_its_arguments_without_record() -> Non
     assert bench_table.run_command(["bench_a.py"]) == "python benchmarks/bench_a.py"
 
 
-def test_record_figures_writes_the_table_and_the_readme(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _checkout(tmp_path: Path) -> tuple[Path, Path]:
+    """benchmarks/RESULTS.md (TABLE) and README.md (README_TEXT) of a checkout in tmp_path."""
     (tmp_path / "benchmarks").mkdir()
     results, readme = tmp_path / "benchmarks" / "RESULTS.md", tmp_path / "README.md"
     results.write_text(TABLE)
     readme.write_text(README_TEXT)
+    return results, readme
+
+
+def test_record_figures_writes_the_table_and_the_readme(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    results, readme = _checkout(tmp_path)
     said = bench_table.record_figures(
         {"alpha": "1.5", "gamma": "8"},
         benchmarks=tmp_path / "benchmarks",
+        keys=("alpha", "gamma"),
         argv=["benchmarks/bench_a.py", "--record"],
         date=DAY,
+        environ={},
     )
     assert said == ["alpha: 1.5 (2031-02-03)"]
     assert "RESULTS.md alpha: 1.5 (2031-02-03)" in capsys.readouterr().out
@@ -141,51 +149,52 @@ def test_record_figures_writes_the_table_and_the_readme(
     results.write_text(TABLE.replace("`gamma`", "`alpha`"))  # malformed: nothing is written
     with pytest.raises(ValueError):
         bench_table.record_figures(
-            {"alpha": "9"}, benchmarks=tmp_path / "benchmarks", argv=["bench_a.py"], date=DAY
+            {"alpha": "9"},
+            benchmarks=tmp_path / "benchmarks",
+            keys=("alpha",),
+            argv=["bench_a.py"],
+            date=DAY,
+            environ={},
         )
     assert "| alpha ratio | ≥ 1.0 | 1.5 |" in readme.read_text()
 
 
 def _headline_keys(script: Path) -> set[str]:
-    """The RESULTS.md keys a benchmark script names: string constants in the values of its
-    ``*_KEY`` / ``*_KEYS`` assignments (a dict's values, not its keys), and the literal keys of
-    the other dicts it builds with keys such as ``"submit-many"``."""
-    keys: set[object] = set()
-    declared: set[int] = set()  # dicts inside *_KEYS values: their keys name no row
-    tree = ast.parse(script.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id.endswith(("_KEY", "_KEYS")) for t in node.targets
+    """The RESULTS.md keys a benchmark script declares: its module-level ``HEADLINE_KEYS``, a
+    tuple of string literals (``*(...)`` groups allowed); empty if it has none."""
+    for node in ast.parse(script.read_text()).body:
+        if (
+            isinstance(node, ast.Assign)
+            and [getattr(t, "id", None) for t in node.targets] == ["HEADLINE_KEYS"]
+            and isinstance(node.value, ast.Tuple)
         ):
-            dicts = [d for d in ast.walk(node.value) if isinstance(d, ast.Dict)]
-            declared |= {id(d) for d in dicts}
-            not_keys = {id(k) for d in dicts for k in d.keys}
-            keys |= {
-                c.value
-                for c in ast.walk(node.value)
-                if isinstance(c, ast.Constant) and id(c) not in not_keys
-            }
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Dict) and id(node) not in declared:
-            literal = [k.value for k in node.keys if isinstance(k, ast.Constant)]
-            if literal and all(isinstance(k, str) and "-" in k for k in literal):
-                keys |= set(literal)
-    return {k for k in keys if isinstance(k, str)}
+            items: list[ast.expr] = []
+            for elt in node.value.elts:
+                inner = elt.value if isinstance(elt, ast.Starred) else elt
+                items += inner.elts if isinstance(inner, ast.Tuple) else [inner]
+            keys = {i.value for i in items if isinstance(i, ast.Constant)}
+            assert len(keys) == len(items) and all(isinstance(k, str) for k in keys), (
+                f"{script.name}: HEADLINE_KEYS must be distinct string literals"
+            )
+            return {str(k) for k in keys}
+    return set()
 
 
 def test_every_make_bench_script_records_rows_the_table_has() -> None:
     # A typo in a key would fail `make bench` only after minutes of measuring: caught here.
     rows = {r.key: r for r in bench_table.parse_table((ROOT / "benchmarks/RESULTS.md").read_text())}
-    for script in bench.SCRIPTS.values():
+    for planned in bench.PLAN:
+        script = planned.script
         keys = _headline_keys(ROOT / "benchmarks" / script)
         assert keys, f"{script} records no headline figure"
         assert keys <= set(rows), f"{script}: no row for {sorted(keys - set(rows))}"
         for key in keys:
             assert rows[key].command.startswith(f"python benchmarks/{script}"), (key, script)
-        default = f"python benchmarks/{script}"
-        assert any(rows[k].command == default for k in keys), (
-            f"make bench refreshes no {script} row"
+        assert set(planned.keys) <= keys, (
+            f"make bench plans {planned.name} to refresh rows {script} does not declare: "
+            f"{sorted(set(planned.keys) - keys)}"
         )
+        assert any(k in rows for k in planned.keys), f"make bench refreshes no {script} row"
 
 
 def test_every_script_that_records_names_rows_its_command_measures() -> None:
@@ -207,3 +216,72 @@ def test_every_script_that_records_names_rows_its_command_measures() -> None:
     for row in rows:
         script = row.command.split()[1].removeprefix("benchmarks/")
         assert script in recording, f"{row.key}: {script} cannot record it (no --record)"
+
+
+def test_every_script_with_record_writes_only_its_declared_rows() -> None:
+    # record_figures refuses a key outside keys=..., so each call must pass the declaration
+    # the tests above check against the table.
+    for path in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        calls = [
+            node
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "record_figures"
+        ]
+        for call in calls:
+            keys = [k.value for k in call.keywords if k.arg == "keys"]
+            assert len(keys) == 1 and getattr(keys[0], "id", None) == "HEADLINE_KEYS", (
+                f"{path.name}:{call.lineno}: record_figures(..., keys=HEADLINE_KEYS)"
+            )
+        if calls:
+            assert _headline_keys(path), f"{path.name} records without HEADLINE_KEYS"
+
+
+def test_a_planned_run_takes_its_rows_and_names_its_command_in_them() -> None:
+    # make bench's run of bench_a.py --rounds 2 refreshes beta (named --rounds 5 before): the
+    # row now says which command measured its value; alpha's row matches by its command.
+    command = "python benchmarks/bench_a.py --rounds 2"
+    text, said = bench_table.record(TABLE, {"alpha": "1", "beta": "4 ms"}, command, DAY, ["beta"])
+    rows = {r.key: r for r in bench_table.parse_table(text)}
+    assert (rows["beta"].today, rows["beta"].measured, rows["beta"].command) == (
+        "4 ms",
+        "2031-02-03",
+        command,
+    )
+    assert rows["beta"].figure == "beta latency" and rows["beta"].goal == "report"
+    assert rows["alpha"] == bench_table.parse_table(TABLE)[0]  # not planned, another command
+    assert said == [
+        "beta: 4 ms (2031-02-03; its command was `python benchmarks/bench_a.py --rounds 5`)"
+    ]
+    with pytest.raises(ValueError, match="planned for"):  # planned but not measured
+        bench_table.record(TABLE, {"alpha": "1"}, command, DAY, ["beta"])
+    with pytest.raises(ValueError, match="no row for"):
+        bench_table.record(TABLE, {"alpha": "1"}, command, DAY, ["omega"])
+
+
+def test_record_figures_reads_the_plan_and_the_results_file_from_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real, readme = _checkout(tmp_path)
+    copy = tmp_path / "copy.md"
+    copy.write_text(TABLE)
+    environ = {bench_table.RESULTS_ENV: str(copy), bench_table.PLANNED_ENV: "gamma"}
+    said = bench_table.record_figures(
+        {"gamma": "8"},
+        benchmarks=tmp_path / "benchmarks",
+        keys=("gamma",),
+        argv=["benchmarks/bench_b.py", "--rounds", "1", "--record"],
+        date=DAY,
+        environ=environ,
+    )
+    assert said == ["gamma: 8 (2031-02-03; its command was `python benchmarks/bench_b.py`)"]
+    assert (
+        "| `gamma` | gamma | report | 8 | 2031-02-03 | `python benchmarks/bench_b.py --rounds 1` |"
+        in (copy.read_text())
+    )
+    assert (real.read_text(), readme.read_text()) == (TABLE, README_TEXT)  # both left alone
+    assert "copy.md gamma: 8" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="not among the script's"):
+        bench_table.record_figures(
+            {"alpha": "9"}, benchmarks=tmp_path / "benchmarks", keys=("gamma",), environ={}
+        )
+    assert copy.read_text().count("| 8 |") == 1 and real.read_text() == TABLE

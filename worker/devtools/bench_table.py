@@ -8,23 +8,31 @@ key it measured; each such row whose command is the run's own command gets the n
 today's date, and README.md's headline block is rewritten from the table. A row whose command
 differs is left alone (its figure was measured another way); a run that matches no row says so.
 
+``tokenfleet bench all`` (``make bench``) names the rows each of its runs refreshes in the
+environment (:data:`PLANNED_ENV`): those rows take the run's value, date *and* command, whatever
+command they named before, so a row always shows the command that measured its value; a planned
+key the run did not measure is an error. :data:`RESULTS_ENV` points the writes at another copy of
+RESULTS.md (README.md is then left alone): smoke runs of ``--record`` use it.
+
 README.md's block: ``<!-- headline: KEY KEY ... -->``, a table of figure, goal, today and
 measured for those keys in that order, then ``<!-- headline: end -->``.
 
-Invariants: only the ``today`` and ``measured`` cells of a table ever change, and only for a key
-and command that match; everything outside the table and README.md's block is kept byte for
-byte; a key the table lacks, a malformed table or a value that would break a cell is an error
-(nothing is written).
+Invariants: only the ``today``, ``measured`` and (for a planned key) ``command`` cells of a table
+ever change, and only for a key whose command matches or that the run was planned for;
+everything outside the table and README.md's block is kept byte for byte; a key the table lacks,
+a planned key the run did not measure, a malformed table or a value that would break a cell is
+an error (nothing is written).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,6 +44,11 @@ README_START = re.compile(r"^<!-- headline: (?P<keys>[^>]*?) -->$", re.MULTILINE
 README_END = "<!-- headline: end -->"
 README_HEADER = ["| figure | goal | today | measured |", "|---|---|---|---|"]
 RECORD_FLAG = "--record"
+# Space-separated keys that ``tokenfleet bench all`` planned this run to refresh (see the module
+# docstring). Not ``TOKENFLEET_*``: the workers a benchmark starts refuse unknown such variables.
+PLANNED_ENV = "BENCH_PLANNED_KEYS"
+# A RESULTS.md to write instead of the repository's (README.md is then left alone).
+RESULTS_ENV = "BENCH_RESULTS_FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,27 +117,39 @@ def _check_cell(value: str, key: str) -> str:
 
 
 def record(
-    text: str, figures: Mapping[str, str], command: str, date: datetime.date
+    text: str,
+    figures: Mapping[str, str],
+    command: str,
+    date: datetime.date,
+    planned: Collection[str] = (),
 ) -> tuple[str, list[str]]:
     """``text`` with each key's ``today`` and ``measured`` cells set, where the row's command is
-    ``command`` (other keys' rows are kept: they are measured by other commands); and a line per
-    row written, or one line saying none was. ``ValueError`` (nothing changed) for a key the
-    table lacks or a value that would break a cell."""
+    ``command`` (other keys' rows are kept: they are measured by other commands), and for each
+    ``planned`` key also its ``command`` cell, whatever it named; and a line per row written, or
+    one line saying none was. ``ValueError`` (nothing changed) for a key the table lacks, a
+    planned key not among ``figures`` or a value that would break a cell."""
     start, end = _table_span(text)
     lines = text.split("\n")
     rows = parse_table(text)
     by_key = {r.key: i for i, r in enumerate(rows)}
-    unknown = [k for k in figures if k not in by_key]
+    unknown = [k for k in [*figures, *planned] if k not in by_key]
     if unknown:
         raise ValueError(f"headline table: no row for {unknown} (rows: {list(by_key)})")
+    unmeasured = [k for k in planned if k not in figures]
+    if unmeasured:
+        raise ValueError(
+            f"headline table: {unmeasured} planned for `{command}`, which measured only "
+            f"{sorted(figures)}"
+        )
     said = []
     for key, value in figures.items():
         row = rows[by_key[key]]
-        if row.command == command:
+        if row.command == command or key in planned:
             rows[by_key[key]] = replace(
-                row, today=_check_cell(value, key), measured=date.isoformat()
+                row, today=_check_cell(value, key), measured=date.isoformat(), command=command
             )
-            said.append(f"{key}: {value} ({date.isoformat()})")
+            moved = "" if row.command == command else f"; its command was `{row.command}`"
+            said.append(f"{key}: {value} ({date.isoformat()}{moved})")
     if not said:
         said.append(f"nothing recorded: no row of {sorted(figures)} is measured by `{command}`")
     lines[start:end] = [r.line() for r in rows]
@@ -174,19 +199,35 @@ def record_figures(
     figures: Mapping[str, str],
     *,
     benchmarks: Path,
+    keys: Collection[str],
     argv: Sequence[str] | None = None,
     date: datetime.date | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> list[str]:
     """Write ``figures`` (key -> the ``today`` cell) into ``benchmarks/RESULTS.md`` for this
-    run's command, then README.md's block from the table; print and return what happened."""
-    results_path = benchmarks / "RESULTS.md"
+    run's command (and the keys :data:`PLANNED_ENV` names), then README.md's block from the
+    table; print and return what happened. ``keys`` are the rows the script declares it measures
+    (its ``HEADLINE_KEYS``): a figure for another key is a ``ValueError``. :data:`RESULTS_ENV`
+    names another file to write instead (README.md is then left alone)."""
+    undeclared = sorted(set(figures) - set(keys))
+    if undeclared:
+        raise ValueError(f"headline figures {undeclared} are not among the script's {keys}")
+    env = os.environ if environ is None else environ
+    planned = env.get(PLANNED_ENV, "").split()
+    results_path = Path(env[RESULTS_ENV]) if env.get(RESULTS_ENV) else benchmarks / "RESULTS.md"
     readme_path = benchmarks.parent / "README.md"
     command = run_command(sys.argv if argv is None else argv)
-    text, said = record(results_path.read_text(), figures, command, date or datetime.date.today())
-    readme = readme_block(readme_path.read_text(), text) if readme_path.is_file() else None
+    text, said = record(
+        results_path.read_text(), figures, command, date or datetime.date.today(), planned
+    )
+    readme = (
+        readme_block(readme_path.read_text(), text)
+        if readme_path.is_file() and not env.get(RESULTS_ENV)
+        else None
+    )
     results_path.write_text(text)
     if readme is not None:
         readme_path.write_text(readme)
     for line in said:
-        print(f"RESULTS.md {line}")
+        print(f"{results_path.name} {line}")
     return said
