@@ -71,7 +71,8 @@ SERVERS = (OURS, THEIRS)
 PROMPT_WORDS = (50, 150)  # words of random prose per prompt: about 150 tokens on average, templated
 MAX_TOKENS = (16, 128)
 # the headline rows of benchmarks/RESULTS.md, by level
-ROW_KEYS = {1: "llamacpp-http-1", 8: "llamacpp-http-8", 32: "llamacpp-http-32"}
+HEADLINE_KEYS = ("llamacpp-http-1", "llamacpp-http-8", "llamacpp-http-32")
+ROW_KEYS = dict(zip((1, 8, 32), HEADLINE_KEYS, strict=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +611,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"FAILED: {errors} request(s) failed; the run is not valid", file=sys.stderr)
         return 1
     if args.record:
-        record_figures(headline_cells(figures), benchmarks=Path(__file__).parent)
+        record_figures(
+            headline_cells(figures), benchmarks=Path(__file__).parent, keys=HEADLINE_KEYS
+        )
     return 0
 
 

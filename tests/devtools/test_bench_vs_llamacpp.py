@@ -4,29 +4,21 @@ load's turns, the figures and the goals' arithmetic, the build's and the server'
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
 
+from tokenfleet.worker.devtools.commands.bench import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_vs_llamacpp.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_vs_llamacpp", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_script(SCRIPT)
 
 
 def test_a_trace_is_the_same_for_the_same_level_and_seed(bench: ModuleType) -> None:

@@ -16,6 +16,7 @@ names the command that measured its value.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -24,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 from tokenfleet.worker.devtools.bench_table import (
@@ -40,6 +41,32 @@ def _redis_cluster_tools(folder: Path) -> str | None:
     missing = [b for b in ("redis-server", "redis-cli") if shutil.which(b) is None]
     if missing:
         return f"{' and '.join(missing)} not on PATH (a Redis Cluster needs Redis >= 7's binaries)"
+    return None
+
+
+def load_script(script: Path) -> ModuleType:
+    """A benchmark script as a module (its ``main`` not run): for its checks and its tests."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{script} cannot be loaded")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
+
+
+def _llama_server_built(folder: Path) -> str | None:
+    """Why llama.cpp's server cannot run here (not built yet), or None. Its script builds it on
+    a first run, which takes about an hour on 2 cores: ``make bench`` does not start that."""
+    module = load_script(folder / "bench_vs_llamacpp.py")
+    if module.installed_llama_server(module.DEFAULT_CACHE_DIR / "venv") is None:
+        return (
+            f"llama.cpp's server is not built in {module.DEFAULT_CACHE_DIR} (build it once with "
+            "python benchmarks/bench_vs_llamacpp.py: about an hour on 2 cores)"
+        )
     return None
 
 
@@ -67,10 +94,13 @@ class Benchmark:
         """Why it cannot run here, or None."""
         if not (folder / self.script).is_file():
             return f"{self.script} is not in {folder}"
-        return None if self.cannot_run is None else self.cannot_run(folder)
+        try:
+            return None if self.cannot_run is None else self.cannot_run(folder)
+        except Exception as exc:  # a check that cannot tell: the run would fail the same way
+            return f"its check failed: {exc!r}"
 
 
-# ``bench all``'s runs, quickest first (``tokenfleet bench list`` adds up their minutes: about 43).
+# ``bench all``'s runs, quickest first (``tokenfleet bench list`` adds up their minutes: about 48).
 PLAN: tuple[Benchmark, ...] = (
     Benchmark("producer", "bench_producer.py", (), ("submit-latency", "submit-many"), 0.2),
     Benchmark("decode", "bench_decode_step.py", (), ("decode-step",), 0.3),
@@ -194,6 +224,14 @@ PLAN: tuple[Benchmark, ...] = (
         ("--model", "smollm2", "--rounds", "3"),
         ("routing-ttft", "routing-throughput"),
         4.0,
+    ),
+    Benchmark(
+        "llamacpp",
+        "bench_vs_llamacpp.py",
+        (),
+        ("llamacpp-http-1", "llamacpp-http-8", "llamacpp-http-32"),
+        5.0,
+        cannot_run=_llama_server_built,
     ),
 )
 # Headline rows that no run of this plan refreshes on any machine like this one, each with why;
