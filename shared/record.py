@@ -25,6 +25,8 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
                     stream) or "overflow:W" (an overflow worker); absent: nobody
     tenant          whose request it is, when it waited in a tenant queue (docs/fairness.md);
                     absent: the default tenant, admitted to the shared stream directly
+    tenant_queued   "1" while it waits in its tenant's queue (``Keys.tenant_queue``: cancel and
+                    expiry take it out of there); removed when it is admitted. Absent else
     waiting_on      the model, when the request was accepted while no live worker served it
                     (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)
@@ -109,6 +111,7 @@ class RequestRecord:
     routed_to: str = ""  # the worker whose routed stream it went to
     taken: str = ""  # stolen_by:W | overflow:W when another worker took it after it waited
     ran_on: str = ""  # the last worker that started it (``worker`` is cleared at the end)
+    tenant: str = ""  # whose request, when it went through a tenant queue; "": the default one
 
     @classmethod
     def from_hash(
@@ -146,6 +149,7 @@ class RequestRecord:
             routed_to=h.get("routed_to") or "",
             taken=h.get("taken") or "",
             ran_on=h.get("ran_on") or "",
+            tenant=h.get("tenant") or "",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -174,4 +178,5 @@ class RequestRecord:
             "routed_to": self.routed_to,
             "taken": self.taken,
             "ran_on": self.ran_on,
+            "tenant": self.tenant,
         }

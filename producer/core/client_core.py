@@ -434,6 +434,7 @@ class ClientCore(ABC, Generic[H]):
             now=time.time(),
             ttl_s=self.settings.record_ttl_s,
             routed_to=record.routed_to,
+            tenant=record.tenant,
         )
 
     # -- the fleet's models and queues (on a cluster: lane by lane, core.lanes) --------------------

@@ -1,6 +1,9 @@
 -- KEYS[1] = request record hash          KEYS[2] = request token list
 -- KEYS[3] = request channel              KEYS[4] = queue stream of the request
 -- KEYS[5] = cancel set                    KEYS[6] = queue ends hash (Keys.tally)
+-- KEYS[7] = the tenant queue of the request's tenant (Keys.tenant_queue; tenant "default"
+--           when its record names none): where it waits while its record has tenant_queued
+--           (docs/fairness.md); optional
 -- ARGV[1] = request id                   ARGV[2] = encoded terminal event
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
 -- ARGV[5] = consumer group name          ARGV[6] = message for the record
@@ -9,7 +12,7 @@
 -- it), {"already", status} (terminal) or {"unknown", message} (no record).
 -- @include tf_finish.lua
 
-local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id')
+local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'tenant_queued')
 local status = h[1]
 if not status then
   return {'unknown', 'no request ' .. ARGV[1] .. ' (never submitted, or its record expired)'}
@@ -21,7 +24,11 @@ end
 if status ~= 'queued' then
   return {'already', status}
 end
-return tf_finish(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], 'cancelled', ARGV[2],
+local queue = KEYS[4]
+if h[3] == '1' and KEYS[7] then  -- waiting in its tenant queue: removed from it at once
+  queue = KEYS[7]
+end
+return tf_finish(KEYS[1], KEYS[2], KEYS[3], queue, KEYS[5], ARGV[1], 'cancelled', ARGV[2],
                  ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
                  {'code', 'cancelled', 'message', ARGV[6], 'finish_reason', ''}, ARGV[7],
                  KEYS[6], nil)  -- never an error end: no dead letter

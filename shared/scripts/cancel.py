@@ -17,6 +17,7 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.schema import TerminalEvent
 from tokenfleet.shared.scripts.registry import load_lua
+from tokenfleet.shared.tenants import DEFAULT_TENANT
 
 # Both take the same KEYS and ARGV (see :func:`withdraw_keys_args`).
 CANCEL = load_lua("tokenfleet.shared.scripts", "cancel.lua", ok_codes=("requested", "already"))
@@ -34,9 +35,12 @@ def withdraw_keys_args(
     now: float,
     ttl_s: int,
     routed_to: str = "",
+    tenant: str = "",
 ) -> tuple[list[str], list[str]]:
     """KEYS and ARGV for :data:`CANCEL` and :data:`EXPIRE_OVERDUE`. ``routed_to``: the
-    record's (a queued request routed to that worker waits in its routed stream)."""
+    record's (a queued request routed to that worker waits in its routed stream); ``tenant``:
+    the record's ("" for the default tenant), whose tenant queue the request may wait in (the
+    script reads the record's ``tenant_queued`` to know, atomically)."""
     rid = event.request_id
     key_list = [
         keys.record(rid),
@@ -45,6 +49,7 @@ def withdraw_keys_args(
         keys.routed(model, priority, routed_to) if routed_to else keys.stream(model, priority),
         keys.cancel_set,
         keys.tally,
+        keys.tenant_queue(model, priority, tenant or DEFAULT_TENANT),
     ]
     args = [
         rid,

@@ -46,6 +46,8 @@
 -- undelivered, so that a worker blocked on it wakes up) and in worker_pull.lua. When the first
 -- other tenant becomes active, the default tenant's undelivered shared entries (not handed-back
 -- ones) move to its tenant queue, so a backlog from before does not wait ahead of everyone.
+-- A request waiting in a tenant queue has "tenant" and "tenant_queued" = "1" in its record (the
+-- latter removed when it is admitted): cancel and expiry find it there (cancel.lua).
 -- A tenant's own bound ("max|T" in the book) refuses (overloaded) past that many waiting in its
 -- tenant queue; the queue's bound counts every tenant queue's entries too.
 -- Routing: each new request goes to a candidate's routed stream (tf_route.lua: its session's
@@ -289,7 +291,8 @@ local function start_fairness()
       local sid = redis.call('XADD', tenant_queue, '*', 'id', rid, 'd', field(e, 'd') or '',
                              'dl', field(e, 'dl') or '', 'n', field(e, 'n') or '0')
       redis.call('XDEL', stream, e[1])
-      redis.call('HSET', moved_record, 'stream_id', sid, 'tenant', 'default')
+      redis.call('HSET', moved_record, 'stream_id', sid, 'tenant', 'default', 'tenant_queued',
+                 '1')
       moved = moved + 1
     end
   end
@@ -419,7 +422,9 @@ for j = J0, #ARGV, W do
       if own then  -- (no "tenant" field: "default", the reader's default)
         fields[n + 1] = 'tenant'
         fields[n + 2] = tenant
-        n = n + 2
+        fields[n + 3] = 'tenant_queued'
+        fields[n + 4] = '1'
+        n = n + 4
       end
       redis.call('HSET', rec, unpack(fields, 1, n))
       redis.call('PEXPIREAT', rec, expire_at)
@@ -440,7 +445,9 @@ end
 -- a worker blocked on the shared stream wakes for work waiting in tenant queues: one is
 -- admitted whenever nothing there is undelivered (worker_pull.lua admits the rest)
 if fair and undelivered(stream) == 0 then
-  tt_admit(1, stream, active, book, tq, ARGV[9], ARGV[10])
+  tt_admit(1, stream, active, book, tq, ARGV[9], ARGV[10], now, function(queue, rid)
+    end_waiting(queue, '', rid, 'expired', ARGV[16], ARGV[20])
+  end)
 end
 redis.call('SADD', KEYS[3], ARGV[4])
 if #fresh > 0 then

@@ -112,6 +112,23 @@ def _template(keys_method: object, marker: str = ID_PLACEHOLDER) -> tuple[str, s
     return before, after
 
 
+def expiry_args(keys: Keys) -> list[str | bytes]:
+    """What a script that ends waiting requests ``expired`` by itself needs to name and tell
+    them: a token list's and a channel's name around a request id, the encoded terminal event
+    with :data:`ID_PLACEHOLDER` in place of the id, that placeholder, and the message
+    (worker_pull.lua's admission; enqueue.lua takes the same among its ARGV)."""
+    expired = TerminalEvent(
+        ID_PLACEHOLDER, TerminalStatus.EXPIRED, message=EXPIRED_MESSAGE
+    ).encode()
+    return [
+        *_template(keys.tokens),
+        *_template(keys.channel),
+        expired,
+        ID_PLACEHOLDER,
+        EXPIRED_MESSAGE,
+    ]
+
+
 def enqueue_keys_args(
     keys: Keys,
     model: str,

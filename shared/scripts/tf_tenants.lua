@@ -7,7 +7,9 @@
 -- ARGV: none
 -- Fair admission between tenants (docs/fairness.md), the virtual token counter of Sheng et al.
 -- (OSDI 2024) kept in Redis. Per queue (model, priority):
---   tenant queue  P:tq:M:L:T  stream of T's waiting requests (fields id, d, dl, n: prompt tokens)
+--   tenant queue  P:tq:M:L:T  stream of T's waiting requests (fields id, d, dl, n: prompt tokens;
+--                             the record of a request waiting there has tenant = T and
+--                             tenant_queued = "1", removed when it is admitted)
 --   active set    P:tact:M:L  sorted set: backlogged tenant -> its virtual time
 --   book          P:tbook:M   hash: "vt|T" virtual time (weighted tokens served, per model),
 --                             "w|T" weight, "max|T" own bound, "served|T", "admitted|T"
@@ -57,10 +59,12 @@ end
 -- Admit up to `n` waiting requests from the tenant queues into `stream` (the queue's shared
 -- stream), each from the active tenant with the least virtual time. `tq` is the tenant queue's
 -- name before the tenant (the names end with it); `rec_pre`/`rec_suf` surround a request id in
--- its record's name. An entry whose request is no longer queued there (cancelled, expired or
--- dropped while it waited) is removed without admitting or charging it. Returns how many
--- were admitted.
-local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf)
+-- its record's name. An entry whose request is no longer queued there (ended while it waited;
+-- cancel, expiry and eviction normally remove it at once) is removed without admitting or
+-- charging it; one whose deadline is not after `now` is removed and ended by
+-- `expire(queue, rid)` (the caller's tf_finish: "expired"), neither admitted nor charged.
+-- Returns how many were admitted.
+local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf, now, expire)
   local moved = 0
   while moved < n do
     local least = redis.call('ZRANGE', active, 0, 0)
@@ -75,12 +79,18 @@ local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf)
       local rid = tt_field(head, 'id') or ''
       local rec = rec_pre .. rid .. rec_suf
       local held = redis.call('HMGET', rec, 'status', 'stream_id')
-      if held[1] == 'queued' and held[2] == head[1] then
+      local dl = tonumber(tt_field(head, 'dl') or '')
+      if held[1] ~= 'queued' or held[2] ~= head[1] then
+        -- ended while it waited, or a stale entry: nothing to admit
+      elseif dl and dl <= tonumber(now) then
+        expire(queue, rid)
+      else
         local prompt = tonumber(tt_field(head, 'n') or '') or 0
         local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', tt_field(head, 'd') or '',
                                'dl', tt_field(head, 'dl') or '', 't', tenant, 'n', prompt,
                                'o', tt_field(head, 'o') or head[1])
         redis.call('HSET', rec, 'stream_id', sid)
+        redis.call('HDEL', rec, 'tenant_queued')
         redis.call('HINCRBY', book, 'admitted|' .. tenant, 1)
         tt_charge(active, book, tenant, math.max(prompt, 1))
         moved = moved + 1

@@ -34,7 +34,8 @@ PACKAGE_FOLDERS = {
 # Tenant queues and the records of the requests admitted from them are picked inside the
 # script too (tf_tenants.lua: the head of the tenant with the least virtual time), so enqueue.lua
 # and worker_pull.lua build them from Keys' templates; the worker's PULL takes each queue's
-# active-tenant set in KEYS but through a table (``active``), one per stream.
+# active-tenant set in KEYS but through a table (``active``), one per stream, and ends a request
+# it meets past its deadline at admission, whose keys it builds the same way (``expired_*``).
 _TENANT_BUILT = frozenset({"queue", "rec"})
 KEYS_BUILT_IN_LUA = {
     "enqueue.lua": frozenset(
@@ -42,7 +43,8 @@ KEYS_BUILT_IN_LUA = {
         | {"moved_record", "target"}
     )
     | _TENANT_BUILT,
-    "worker_pull.lua": _TENANT_BUILT | {"active"},
+    "worker_pull.lua": _TENANT_BUILT
+    | {"active", "expired_record", "expired_tokens", "expired_channel"},
     "finish.lua": _TENANT_BUILT,
 }
 _INCLUDE_LINE = re.compile(r"^-- @include ([\w.-]+\.lua)[ \t]*$", re.MULTILINE)

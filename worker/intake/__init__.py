@@ -59,6 +59,7 @@ class Intake:
             priorities=priorities,
             worker_name=worker_name,
             starvation_pulls=starvation_pulls,
+            record_ttl_s=settings.record_ttl_s,
         )
         self.outcomes = UnstartedOutcomes(
             client, settings, model_name=model_name, worker_name=worker_name

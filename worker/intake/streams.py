@@ -19,6 +19,7 @@ only through stealing (``tokenfleet.worker.intake.stealer``), which notes their 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.enqueue import expiry_args
 from tokenfleet.shared.scripts.worker import PULL
 from tokenfleet.worker.intake.jobs import Entry
 from tokenfleet.worker.pipelined import ScriptPipeline
@@ -51,6 +53,7 @@ class PriorityStreams:
         priorities: Sequence[Priority],
         worker_name: str,
         starvation_pulls: int,
+        record_ttl_s: int = 86_400,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -68,6 +71,9 @@ class PriorityStreams:
         self.book = keys.tenant_book(model_name)
         before, _, after = keys.record("\0").partition("\0")
         self._record_template = (before, after)
+        # what PULL needs to end a request it meets past its deadline at admission
+        self.record_ttl_s = record_ttl_s
+        self._expiry_args = expiry_args(keys)
         self._skipped = dict.fromkeys(self.priorities, 0)
         self.caps: dict[Priority, int] = {}  # level -> entries the next reads may take at most
 
@@ -147,7 +153,7 @@ class PriorityStreams:
             keys = [s for p in order for s in self.own(p)]
             caps = [self.caps.get(p, -1) for p in order for _ in (0, 1)]
             levels = [p.label for p in order for _ in (0, 1)]
-            args: list[str | int] = [
+            args: list[str | bytes | int] = [
                 CONSUMER_GROUP,
                 self.worker_name,
                 budget,
@@ -159,7 +165,9 @@ class PriorityStreams:
             for p in order:  # (routed: no tenant queues; shared: its tenant queues' name)
                 args += ["", self.tenant_queue_of[p]]
             keys += [self.active_of[p] for p in order]
-            keys.append(self.book)
+            keys += [self.book, self.keys.cancel_set, self.keys.tally]
+            now = repr(time.time())
+            args += [now, self.record_ttl_s, self.keys.publish_command, *self._expiry_args]
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         return order
 
