@@ -15,6 +15,8 @@ Layout (``P`` = prefix, ``M`` = model name, ``L`` = priority label, ``ID`` = req
     P:recent           list: the newest request ids, newest first (trimmed by the enqueue script)
     P:tq:M:L:T         stream: tenant T's requests waiting to be admitted into P:q:M:L (fairness)
     P:tact:M:L         sorted set: tenants with requests waiting in queue (M, L) -> virtual time
+    P:tlen:M:L         list: one element per request waiting in queue (M, L)'s tenant queues
+                       (its LLEN is what KEDA adds to P:q:M:L's lag: deploy/k8s/keda.yaml)
     P:tbook:M          hash: per tenant of model M: virtual time, weight, own bound, served tokens
     P:tenants          hash: tenant -> JSON settings (weight, max_waiting) (the fleet's)
     P:req:ID           hash: the request's durable record
@@ -212,6 +214,14 @@ class Keys:
         """Sorted set: the tenants with requests waiting in queue (model, priority) -> their
         virtual time (the order of admission: least first)."""
         return f"{self.root}:tact:{model}:{priority.label}"
+
+    def tenant_backlog(self, model: str, priority: Priority) -> str:
+        """List: one element per request waiting in queue (model, priority)'s tenant queues,
+        so that its length is their number: what KEDA's ``redis`` (list) trigger reads and adds
+        to the shared stream's lag (docs/deployment.md). Kept by every script that puts a
+        request into a tenant queue or takes one out (tf_tenants.lua); deleted when the queue's
+        last active tenant goes."""
+        return f"{self.root}:tlen:{model}:{priority.label}"
 
     def tenant_book(self, model: str) -> str:
         """Hash: per tenant T of model's queues, ``vt|T`` (virtual time: tokens served /

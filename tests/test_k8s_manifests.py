@@ -1,12 +1,16 @@
 """deploy/k8s, validated offline: every file parses, every object has its kind's required fields,
 references resolve (ConfigMap, Secret, Deployment, TriggerAuthentication), the settings it sets
 are ones tokenfleet accepts, and KEDA's triggers name the streams and consumer group the code
-uses for exactly the priorities the scaled Deployment serves (batch: from zero). The same holds
-for cluster/keda-cluster.yaml, keda.yaml for a Redis Cluster (hash-tagged stream names, KEDA's
-redis-cluster-streams trigger), which must scale exactly as keda.yaml does."""
+uses for exactly the priorities the scaled Deployment serves (batch: from zero), each stream's
+lag summed with its queue's tenant backlog (a KEDA ``redis`` list trigger) by the ScaledObject's
+scalingModifiers formula, which scales per queue on the sum over tenants as the stream's lagCount
+says. The same holds for cluster/keda-cluster.yaml, keda.yaml for a Redis Cluster (hash-tagged
+names, KEDA's redis-cluster-streams and redis-cluster triggers), which must scale exactly as
+keda.yaml does."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +18,19 @@ import pytest
 import yaml
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.worker_settings import parse_priorities
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
-# KEDA files: path under K8S -> (trigger type, whether stream names are cluster-mode ones)
+# KEDA files: path under K8S -> (stream trigger type, list trigger type, whether names are
+# cluster-mode ones)
 KEDA_FILES = {
-    "keda.yaml": ("redis-streams", False),
-    "cluster/keda-cluster.yaml": ("redis-cluster-streams", True),
+    "keda.yaml": ("redis-streams", "redis", False),
+    "cluster/keda-cluster.yaml": ("redis-cluster-streams", "redis-cluster", True),
 }
-CONNECTION_FIELDS = {"address", "addresses", "databaseIndex", "stream"}  # what a mode changes
+# what a mode changes
+CONNECTION_FIELDS = {"address", "addresses", "databaseIndex", "stream", "listName"}
 REQUIRED = {  # kind -> dotted paths every object of that kind must have
     "ConfigMap": ["metadata.name", "data"],
     "Secret": ["metadata.name", "stringData"],
@@ -114,29 +121,75 @@ def _scaled(
     return so, dep, _env(dep)
 
 
+def _formula(so: dict[str, Any], values: dict[str, float]) -> float:
+    """The ScaledObject's scalingModifiers formula evaluated with ``values`` per trigger name
+    (its expressions here are also Python's: names, + and /, max)."""
+    formula = so["spec"]["advanced"]["scalingModifiers"]["formula"]
+    return float(eval(formula, {"__builtins__": {}, "max": max}, values))
+
+
 @pytest.mark.parametrize("keda_file", sorted(KEDA_FILES))
 @pytest.mark.parametrize("name", ["tokenfleet-worker", "tokenfleet-worker-batch"])
-def test_keda_triggers_read_the_lag_of_the_streams_the_workers_serve(
+def test_keda_scales_on_the_lag_plus_tenant_backlog_of_the_queues_the_workers_serve(
     name: str, keda_file: str
 ) -> None:
-    trigger_type, cluster = KEDA_FILES[keda_file]
+    stream_type, list_type, cluster = KEDA_FILES[keda_file]
     so, _dep, env = _scaled(name, keda_file)
     model = env.get("TOKENFLEET_MODEL_NAME", "default")
     keys = Keys(env["TOKENFLEET_KEY_PREFIX"], cluster=cluster, lane=model)  # (a cluster: its lane)
-    served = {keys.stream(model, p) for p in parse_priorities(env.get("TOKENFLEET_PRIORITIES"))}
+    priorities = parse_priorities(env.get("TOKENFLEET_PRIORITIES"))
     auths = {
         o["metadata"]["name"] for o in _load(keda_file) if o["kind"] == "TriggerAuthentication"
     }
-    streams = set()
+    lag_of: dict[str, tuple[str, int]] = {}  # stream -> (trigger name, lagCount)
+    backlog_of: dict[str, str] = {}  # list -> trigger name
     for trigger in so["spec"]["triggers"]:
         meta = trigger["metadata"]
-        assert trigger["type"] == trigger_type
+        assert trigger["authenticationRef"]["name"] in auths
+        if trigger["type"] == list_type:  # LLEN of a queue's tenant backlog
+            backlog_of[meta["listName"]] = trigger["name"]
+            continue
+        assert trigger["type"] == stream_type
         assert meta["consumerGroup"] == CONSUMER_GROUP
         assert int(meta["lagCount"]) > 0  # the XINFO GROUPS lag: what status --json reports
         assert "pendingEntriesCount" not in meta and "streamLength" not in meta
-        assert trigger["authenticationRef"]["name"] in auths
-        streams.add(meta["stream"])
-    assert streams == served, f"{name} scales on {streams} but serves {served}"
+        lag_of[meta["stream"]] = (trigger["name"], int(meta["lagCount"]))
+    served = {keys.stream(model, p) for p in priorities}
+    assert set(lag_of) == served, f"{name} scales on {set(lag_of)} but serves {served}"
+    assert set(backlog_of) == {keys.tenant_backlog(model, p) for p in priorities}
+    names = [t["name"] for t in so["spec"]["triggers"]]
+    assert len(set(names)) == len(names)
+    modifiers = so["spec"]["advanced"]["scalingModifiers"]
+    target = float(modifiers["target"])
+    assert modifiers.get("metricType", "AverageValue") == "AverageValue"
+    for p in priorities:
+        lag_name, lag_count = lag_of[keys.stream(model, p)]
+        backlog_name = backlog_of[keys.tenant_backlog(model, p)]
+        for waiting in (0, 1, lag_count, lag_count + 1, 5 * lag_count + 3):
+            for in_streams in {0, waiting // 2, waiting}:  # wherever they wait
+                values = dict.fromkeys(names, 0.0)
+                values[lag_name] = in_streams
+                values[backlog_name] = waiting - in_streams
+                # replicas = ceil(formula / target): one per lagCount waiting in this queue
+                replicas = math.ceil(_formula(so, values) / target - 1e-9)
+                assert replicas == math.ceil(waiting / lag_count), (p, waiting, in_streams)
+
+
+@pytest.mark.parametrize("keda_file", sorted(KEDA_FILES))
+def test_a_request_waiting_in_a_tenant_queue_wakes_the_batch_pool_from_zero(
+    keda_file: str,
+) -> None:
+    so, _dep, env = _scaled("tokenfleet-worker-batch", keda_file)
+    modifiers = so["spec"]["advanced"]["scalingModifiers"]
+    activation = float(modifiers.get("activationTarget", "0"))
+    names = [t["name"] for t in so["spec"]["triggers"]]
+    for name in names:  # one request, in the stream or in a tenant queue: above activation
+        assert _formula(so, dict.fromkeys(names, 0.0) | {name: 1.0}) > activation
+    assert _formula(so, dict.fromkeys(names, 0.0)) <= activation  # nothing waits: back to 0
+    assert all(t["name"] != "" for t in so["spec"]["triggers"])
+    assert {p.label for p in parse_priorities(env["TOKENFLEET_PRIORITIES"])} == {
+        Priority.BATCH.label
+    }
 
 
 def test_the_batch_pool_scales_to_zero_and_serves_only_batch() -> None:
@@ -171,13 +224,18 @@ def test_the_cluster_keda_file_scales_as_keda_yaml_on_the_cluster() -> None:
         assert {**c["spec"], "triggers": None} == {**b["spec"], "triggers": None}
         for bt, ct in zip(b["spec"]["triggers"], c["spec"]["triggers"], strict=True):
             bm, cm = bt["metadata"], ct["metadata"]
+            assert bt["name"] == ct["name"]
+            assert ct["type"] == {"redis-streams": "redis-cluster-streams"}.get(
+                bt["type"], "redis-cluster"
+            )
             assert "address" not in cm and "databaseIndex" not in cm
             for address in cm["addresses"].split(","):
                 host, _, port = address.rpartition(":")
                 assert host and port.isdigit(), address
-            prefix, tail = bm["stream"].split(":", 1)
-            model = tail.split(":")[1]  # q:MODEL:LEVEL, in the model's lane on a cluster
-            assert cm["stream"] == f"{{{prefix}|{model}}}:{tail}"
+            field = "stream" if "stream" in bm else "listName"
+            prefix, tail = bm[field].split(":", 1)
+            model = tail.split(":")[1]  # q|tlen:MODEL:LEVEL, in the model's lane on a cluster
+            assert cm[field] == f"{{{prefix}|{model}}}:{tail}"
             assert {k: v for k, v in cm.items() if k not in CONNECTION_FIELDS} == {
                 k: v for k, v in bm.items() if k not in CONNECTION_FIELDS
             }

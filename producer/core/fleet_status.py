@@ -10,7 +10,9 @@ The snapshot (a dict of plain data; docs/workers.md shows the table form):
   outages, its last error; ``lapsed_workers``: names left without a heartbeat;
 * ``queues``: ``Client.queue_stats()``'s rows, each with its shared stream's ``lag`` and
   ``pending`` as KEDA's redis-streams scaler reads them (``XINFO GROUPS``: ``lag`` is None when
-  Redis cannot compute it, e.g. after a drop-oldest eviction) and its terminal ends
+  Redis cannot compute it, e.g. after a drop-oldest eviction), its tenant backlog's name and
+  length (``tenant_backlog``, ``tenant_backlog_length``: what KEDA's redis list trigger reads
+  and adds to the lag, docs/deployment.md) and its terminal ends
   (``shared.tally``: total and per minute, per status);
 * ``routed``: per (model, priority, routed worker), the waiting and running entries of that
   worker's routed stream (docs/routing.md); ``models``: ``Client.models()``;
@@ -34,6 +36,7 @@ from typing import Any
 import redis
 from redis.commands.core import (
     HashCommands,
+    ListCommands,
     SetCommands,
     SortedSetCommands,
     StreamCommands,
@@ -221,15 +224,20 @@ def _lane_workers(
 
 
 def _lane_queues(keys: Keys, queues: list[dict[str, Any]], now: float) -> Plan[None]:
-    """Add each queue's lag and pending (``XINFO GROUPS`` of its shared stream: KEDA's figure)
-    and its ends (``Keys.tally``) to its row."""
+    """Add each queue's lag and pending (``XINFO GROUPS`` of its shared stream), its tenant
+    backlog's name and length (``LLEN``; together with the lag: KEDA's figures) and its ends
+    (``Keys.tally``) to its row."""
     streams = [keys.stream(q["model"], Priority.parse(q["priority"])) for q in queues]
+    backlogs = [keys.tenant_backlog(q["model"], Priority.parse(q["priority"])) for q in queues]
     reads = [Command(StreamCommands.xinfo_groups, (s,)) for s in streams]
+    lengths = [Command(ListCommands.llen, (b,)) for b in backlogs]
     replies = yield Transaction(
-        (Command(HashCommands.hgetall, (keys.tally,)), *reads), raise_on_error=False
+        (Command(HashCommands.hgetall, (keys.tally,)), *reads, *lengths), raise_on_error=False
     )
     ends = queue_ends(replies[0] if isinstance(replies[0], dict) else {}, now)
-    for q, stream, groups in zip(queues, streams, replies[1:], strict=True):
+    backlog_lengths = replies[1 + len(queues) :]
+    rows = zip(queues, streams, replies[1 : 1 + len(queues)], strict=True)
+    for (q, stream, groups), backlog, length in zip(rows, backlogs, backlog_lengths, strict=True):
         lag: int | None = 0
         pending = 0
         if not isinstance(groups, redis.ResponseError):  # no such stream yet: nothing queued
@@ -240,6 +248,7 @@ def _lane_queues(keys: Keys, queues: list[dict[str, Any]], now: float) -> Plan[N
                     lag = None if raw is None else int(raw)
                     pending = int(info.get("pending") or 0)
         q.update(stream=stream, consumer_group=CONSUMER_GROUP, lag=lag, pending=pending)
+        q.update(tenant_backlog=backlog, tenant_backlog_length=int(length or 0))
         q["ended"] = ends.get((q["model"], q["priority"])) or no_ends()
 
 

@@ -3,7 +3,8 @@
 -- KEYS[5] = cancel set                    KEYS[6] = queue ends hash (Keys.tally)
 -- KEYS[7] = the tenant queue of the request's tenant (Keys.tenant_queue; tenant "default"
 --           when its record names none): where it waits while its record has tenant_queued
---           (docs/fairness.md); optional
+--           (docs/fairness.md), and KEYS[8] = the queue's tenant backlog (Keys.tenant_backlog),
+--           which follows; both optional
 -- ARGV[1] = request id                   ARGV[2] = encoded terminal event
 -- ARGV[3] = now (epoch seconds)          ARGV[4] = record TTL in seconds
 -- ARGV[5] = consumer group name          ARGV[6] = message for the record
@@ -11,6 +12,7 @@
 -- Returns {"ok"} (was queued: now cancelled), {"requested"} (running: its worker will stop
 -- it), {"already", status} (terminal) or {"unknown", message} (no record).
 -- @include tf_finish.lua
+-- @include tf_backlog.lua
 
 local h = redis.call('HMGET', KEYS[1], 'status', 'stream_id', 'tenant_queued')
 local status = h[1]
@@ -24,11 +26,12 @@ end
 if status ~= 'queued' then
   return {'already', status}
 end
-local queue = KEYS[4]
+local queue, sid = KEYS[4], h[2] or ''
 if h[3] == '1' and KEYS[7] then  -- waiting in its tenant queue: removed from it at once
   queue = KEYS[7]
+  sid = tt_withdraw(queue, sid, KEYS[8])
 end
 return tf_finish(KEYS[1], KEYS[2], KEYS[3], queue, KEYS[5], ARGV[1], 'cancelled', ARGV[2],
-                 ARGV[3], ARGV[4], h[2] or '', ARGV[5], '',
+                 ARGV[3], ARGV[4], sid, ARGV[5], '',
                  {'code', 'cancelled', 'message', ARGV[6], 'finish_reason', ''}, ARGV[7],
                  KEYS[6], nil)  -- never an error end: no dead letter

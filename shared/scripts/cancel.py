@@ -50,6 +50,7 @@ def withdraw_keys_args(
         keys.cancel_set,
         keys.tally,
         keys.tenant_queue(model, priority, tenant or DEFAULT_TENANT),
+        keys.tenant_backlog(model, priority),
     ]
     args = [
         rid,

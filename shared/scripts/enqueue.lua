@@ -8,10 +8,12 @@
 --   a producer's ACL user may not write the dead-letter stream)
 -- KEYS[9] = the queue's active tenants (sorted set, Keys.tenants_active)
 -- KEYS[10] = the model's tenant book (hash, Keys.tenant_book; tf_tenants.lua)
--- KEYS[11 .. 10+R] = routing keys (R = ARGV[23]; none when 0): KEYS[11] = the model's routers
---   (sorted set), KEYS[12] = its load hash, then per candidate worker c = 1 .. C: its prefix
+-- KEYS[11] = the queue's tenant backlog (list, Keys.tenant_backlog: one element per request
+--   waiting in its tenant queues; tf_tenants.lua)
+-- KEYS[12 .. 11+R] = routing keys (R = ARGV[23]; none when 0): KEYS[12] = the model's routers
+--   (sorted set), KEYS[13] = its load hash, then per candidate worker c = 1 .. C: its prefix
 --   set, its routed stream of this queue; then the session keys the requests name (tf_route.lua)
--- KEYS[11+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
+-- KEYS[12+R+i] = record hash of request i (i = 1 .. n, in the order of the requests in ARGV)
 -- ARGV[1] = now (epoch seconds)          ARGV[2] = record TTL in seconds
 -- ARGV[3] = consumer group name          ARGV[4] = queue member name (model|label)
 -- ARGV[5] = model                        ARGV[6] = priority label
@@ -82,7 +84,7 @@
 -- @include tf_tenants.lua
 
 local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
-local F = 10  -- the fixed keys before the routing keys
+local F = 11  -- the fixed keys before the routing keys
 local J0 = 29 + C  -- the first request's ARGV
 local W = 9  -- ARGVs per request
 if #KEYS ~= F + R + (#ARGV - J0 + 1) / W then
@@ -219,7 +221,7 @@ local reclaimed = false
 -- entry waits)
 local counted = {{stream, true}}
 for c = 1, C do counted[#counted + 1] = {KEYS[F + 2 + 2 * c], true} end
-local active, book, tq = KEYS[9], KEYS[10], ARGV[27]
+local active, book, backlog, tq = KEYS[9], KEYS[10], KEYS[11], ARGV[27]
 local tenanted = {}  -- tenant -> true once its queue is in `counted`
 local function count_tenant(t)
   if not tenanted[t] then
@@ -272,7 +274,7 @@ local function end_counted(c, e, status, template, message)
   if c[2] then
     end_waiting(counted_stream, e[1], field(e, 'id'), status, template, message)
   else
-    redis.call('XDEL', counted_stream, e[1])
+    tt_backlog(backlog, -redis.call('XDEL', counted_stream, e[1]))
     end_waiting(counted_stream, '', field(e, 'id'), status, template, message)
   end
 end
@@ -297,6 +299,7 @@ local function start_fairness()
     end
   end
   if moved > 0 then
+    tt_backlog(backlog, moved)
     waiting = waiting + count_tenant('default')
     tt_activate(active, book, 'default')
   end
@@ -428,7 +431,10 @@ for j = J0, #ARGV, W do
       end
       redis.call('HSET', rec, unpack(fields, 1, n))
       redis.call('PEXPIREAT', rec, expire_at)
-      if own then tt_activate(active, book, tenant) end
+      if own then
+        tt_backlog(backlog, 1)
+        tt_activate(active, book, tenant)
+      end
       created[rid] = true
       fresh[#fresh + 1] = rid
       waiting = waiting + 1
@@ -445,7 +451,7 @@ end
 -- a worker blocked on the shared stream wakes for work waiting in tenant queues: one is
 -- admitted whenever nothing there is undelivered (worker_pull.lua admits the rest)
 if fair and undelivered(stream) == 0 then
-  tt_admit(1, stream, active, book, tq, ARGV[9], ARGV[10], now, function(queue, rid)
+  tt_admit(1, stream, active, backlog, book, tq, ARGV[9], ARGV[10], now, function(queue, rid)
     end_waiting(queue, '', rid, 'expired', ARGV[16], ARGV[20])
   end)
 end

@@ -143,7 +143,7 @@ def enqueue_keys_args(
 ) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
     keys, the fleet's two model keys, the lane's tally and recent list, the queue's active
-    tenants and the model's tenant book, the routing keys, then
+    tenants, the model's tenant book and the queue's tenant backlog, the routing keys, then
     one record key per item, in the items' order.
 
     ``try_only`` refuses when the queue is full whatever its policy (``try_submit``). A request
@@ -193,6 +193,7 @@ def enqueue_keys_args(
         keys.recent,
         keys.tenants_active(model, priority),
         keys.tenant_book(model),
+        keys.tenant_backlog(model, priority),
     ]
     workers = route.workers if route is not None else ()
     route_keys: list[str] = []

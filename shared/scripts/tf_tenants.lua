@@ -1,9 +1,9 @@
--- KEYS: none (an include, not a script: `-- @include tf_tenants.lua` pastes it into enqueue.lua
---       and worker_pull.lua; its functions take their keys as arguments: the queue's streams,
---       its active-tenants set and the lane's tenant book come from the caller's KEYS[]; a
---       tenant's queue and a request's record are built by the caller from templates that
---       tokenfleet.shared.keys.Keys made, both in the model's lane: docs/protocol.md, "Keys in
---       scripts")
+-- KEYS: none (an include, not a script: `-- @include tf_tenants.lua` pastes it into enqueue.lua,
+--       worker_pull.lua and finish.lua, and includes tf_backlog.lua; its functions take their
+--       keys as arguments: the queue's streams, its active-tenants set and tenant backlog and the
+--       lane's tenant book come from the caller's KEYS[]; a tenant's queue and a request's
+--       record are built by the caller from templates that tokenfleet.shared.keys.Keys made,
+--       both in the model's lane: docs/protocol.md, "Keys in scripts")
 -- ARGV: none
 -- Fair admission between tenants (docs/fairness.md), the virtual token counter of Sheng et al.
 -- (OSDI 2024) kept in Redis. Per queue (model, priority):
@@ -11,6 +11,8 @@
 --                             the record of a request waiting there has tenant = T and
 --                             tenant_queued = "1", removed when it is admitted)
 --   active set    P:tact:M:L  sorted set: backlogged tenant -> its virtual time
+--   backlog       P:tlen:M:L  list: one element per entry of the queue's tenant queues (its LLEN
+--                             is their total, what KEDA adds to the shared stream's lag)
 --   book          P:tbook:M   hash: "vt|T" virtual time (weighted tokens served, per model),
 --                             "w|T" weight, "max|T" own bound, "served|T", "admitted|T"
 -- Invariants:
@@ -20,8 +22,14 @@
 --     it to the queue's shared stream (a new entry with field t = tenant and o = the id it had
 --     when enqueued, its age for drop-oldest; the record's stream_id follows it) and charges its prompt tokens / weight, in one script: any number of workers
 --     and producers agree on the order;
+--   * the backlog's length is the number of entries in the queue's tenant queues: every XADD to
+--     a tenant queue pushes one element (tt_backlog), every XDEL that removed one pops one; it is
+--     deleted when the active set becomes empty (every tenant queue is empty then), which also
+--     mends it should it ever have drifted;
 --   * a tenant that becomes backlogged again starts at max(its own, the least active) virtual
 --     time (tt_activate): idling banks no credit.
+-- @include tf_backlog.lua
+
 local function tt_weight(book, tenant)
   local w = tonumber(redis.call('HGET', book, 'w|' .. tenant) or '')
   if not w or w <= 0 then w = 1 end
@@ -48,6 +56,13 @@ local function tt_activate(active, book, tenant)
   redis.call('ZADD', active, vt, tenant)
 end
 
+-- `tenant`'s queue turned out empty: it leaves the active set (and with the last one, the
+-- backlog list goes: nothing waits in a tenant queue then)
+local function tt_deactivate(active, backlog, tenant)
+  redis.call('ZREM', active, tenant)
+  if backlog and redis.call('ZCARD', active) == 0 then redis.call('DEL', backlog) end
+end
+
 local function tt_field(entry, name)
   local f = entry[2]
   for i = 1, #f, 2 do
@@ -57,14 +72,15 @@ local function tt_field(entry, name)
 end
 
 -- Admit up to `n` waiting requests from the tenant queues into `stream` (the queue's shared
--- stream), each from the active tenant with the least virtual time. `tq` is the tenant queue's
+-- stream), each from the active tenant with the least virtual time; `backlog` follows (the
+-- queue's backlog list). `tq` is the tenant queue's
 -- name before the tenant (the names end with it); `rec_pre`/`rec_suf` surround a request id in
 -- its record's name. An entry whose request is no longer queued there (ended while it waited;
 -- cancel, expiry and eviction normally remove it at once) is removed without admitting or
 -- charging it; one whose deadline is not after `now` is removed and ended by
 -- `expire(queue, rid)` (the caller's tf_finish: "expired"), neither admitted nor charged.
 -- Returns how many were admitted.
-local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf, now, expire)
+local function tt_admit(n, stream, active, backlog, book, tq, rec_pre, rec_suf, now, expire)
   local moved = 0
   while moved < n do
     local least = redis.call('ZRANGE', active, 0, 0)
@@ -73,9 +89,10 @@ local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf, now, expi
     local queue = tq .. tenant
     local head = redis.call('XRANGE', queue, '-', '+', 'COUNT', 1)[1]
     if not head then
-      redis.call('ZREM', active, tenant)
+      tt_deactivate(active, backlog, tenant)
     else
       redis.call('XDEL', queue, head[1])
+      tt_backlog(backlog, -1)
       local rid = tt_field(head, 'id') or ''
       local rec = rec_pre .. rid .. rec_suf
       local held = redis.call('HMGET', rec, 'status', 'stream_id')
@@ -96,7 +113,7 @@ local function tt_admit(n, stream, active, book, tq, rec_pre, rec_suf, now, expi
         moved = moved + 1
       end
       if redis.call('XLEN', queue) == 0 then
-        redis.call('ZREM', active, tenant)
+        tt_deactivate(active, backlog, tenant)
       end
     end
   end

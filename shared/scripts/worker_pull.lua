@@ -1,10 +1,11 @@
 -- KEYS[1..n] = queue streams, in the order to read them (most urgent first, starved ones before;
 --              a level's worker-routed stream just before its shared one)
--- KEYS[n+j] = the active-tenant set (Keys.tenants_active) of the j-th shared stream that has a
---              tenant-queue name in ARGV (below), j = 1 .. m; when m > 0, then KEYS[n+m+1] =
---              the model's tenant book (Keys.tenant_book), KEYS[n+m+2] = the cancel set,
---              KEYS[n+m+3] = the queue ends hash (Keys.tally): what ending an expired request
---              at admission needs
+-- KEYS[n+2j-1], KEYS[n+2j] = the active-tenant set (Keys.tenants_active) and the tenant
+--              backlog (Keys.tenant_backlog) of the j-th shared stream that has a tenant-queue
+--              name in ARGV (below), j = 1 .. m; when m > 0, then KEYS[n+2m+1] = the model's
+--              tenant book (Keys.tenant_book), KEYS[n+2m+2] = the cancel set, KEYS[n+2m+3] =
+--              the queue ends hash (Keys.tally): what ending an expired request at admission
+--              needs
 -- ARGV[1] = consumer group name          ARGV[2] = consumer (the worker's name)
 -- ARGV[3] = budget: entries to read at most, over all streams
 -- ARGV[4] = n, the number of streams
@@ -41,15 +42,16 @@ local n = tonumber(ARGV[4])
 local out = {'ok', 0, 0}
 local level_cap = {}
 local rec_pre, rec_suf = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
-local active_of, fair = {}, 0
+local active_of, backlog_of, fair = {}, {}, 0
 for i = 1, n do
   local tq = ARGV[6 + 2 * n + i]
   if tq and tq ~= '' then
     fair = fair + 1
-    active_of[i] = KEYS[n + fair]
+    active_of[i] = KEYS[n + 2 * fair - 1]
+    backlog_of[i] = KEYS[n + 2 * fair]
   end
 end
-local book = KEYS[n + fair + 1]
+local book = KEYS[n + 2 * fair + 1]
 local x = 7 + 3 * n  -- the expiry arguments
 local now = ARGV[x]
 
@@ -61,10 +63,10 @@ local function expire(queue, rid)
   local expired_record = rec_pre .. rid .. rec_suf
   local expired_tokens = ARGV[x + 3] .. rid .. ARGV[x + 4]
   local expired_channel = ARGV[x + 5] .. rid .. ARGV[x + 6]
-  tf_finish(expired_record, expired_tokens, expired_channel, queue, KEYS[n + fair + 2], rid,
-            'expired', event, now, ARGV[x + 1], '', ARGV[1], '',
+  tf_finish(expired_record, expired_tokens, expired_channel, queue, KEYS[n + 2 * fair + 2],
+            rid, 'expired', event, now, ARGV[x + 1], '', ARGV[1], '',
             {'code', 'expired', 'message', ARGV[x + 9], 'finish_reason', ''}, ARGV[x + 2],
-            KEYS[n + fair + 3], nil)
+            KEYS[n + 2 * fair + 3], nil)
 end
 
 -- entries of stream not yet delivered to the group: XLEN - pending (what the enqueue script
@@ -101,7 +103,8 @@ for i = 1, n do
   if count > 0 and active and redis.call('ZCARD', active) > 0 then
     local need = count + 1 - undelivered(KEYS[i])
     if need > 0 then
-      tt_admit(need, KEYS[i], active, book, ARGV[6 + 2 * n + i], rec_pre, rec_suf, now, expire)
+      tt_admit(need, KEYS[i], active, backlog_of[i], book, ARGV[6 + 2 * n + i], rec_pre, rec_suf,
+               now, expire)
     end
   end
   if count > 0 then

@@ -195,18 +195,19 @@ def test_the_terminal_transition_is_one_included_function() -> None:
 def test_enqueue_takes_each_record_key_from_keys(r: redis.Redis, keys: Keys) -> None:
     items = [EnqueueItem(rid, b"{}", None) for rid in ("a", "b")]
     k, a = enqueue_keys_args(keys, "default", Priority.NORMAL, items, now=1.0, ttl_s=60)
-    assert k[4:10] == [
+    assert k[4:11] == [
         keys.served,
         keys.declared,
         keys.tally,
         keys.recent,
         keys.tenants_active("default", Priority.NORMAL),
         keys.tenant_book("default"),
+        keys.tenant_backlog("default", Priority.NORMAL),
     ]
-    assert k[10:] == [keys.record("a"), keys.record("b")]
+    assert k[11:] == [keys.record("a"), keys.record("b")]
     assert keys.dead_letter not in k  # a producer's ACL user may not write it
     with pytest.raises(redis.ResponseError, match="one record key per request"):
-        registry.call(r, ENQUEUE, k[:11], a)
+        registry.call(r, ENQUEUE, k[:12], a)
     assert r.xlen(keys.stream("default", Priority.NORMAL)) == 0  # refused before any write
     reply = registry.call(r, ENQUEUE, k, a)
     assert reply == ["ok"]  # both new

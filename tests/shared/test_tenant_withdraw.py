@@ -12,42 +12,16 @@ from contextlib import contextmanager
 
 import orjson
 import redis
+from tenant_helpers import MODEL, NORMAL, enqueue, streams
 
 from tokenfleet.producer.client import Client
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import RequestStatus
-from tokenfleet.shared.scripts import registry
-from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, enqueue_keys_args
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.intake.streams import PriorityStreams
 
-NORMAL = Priority.NORMAL
-MODEL = "default"
 MARKER = b"end-of-test-events"
-
-
-def enqueue(
-    r: redis.Redis,
-    keys: Keys,
-    tenant: str,
-    ids: list[str],
-    *,
-    now: float = 1.0,
-    deadline: float | None = None,
-) -> list[object]:
-    items = [EnqueueItem(rid, b"{}", deadline, tenant=tenant, prompt_tokens=10) for rid in ids]
-    k, a = enqueue_keys_args(keys, MODEL, NORMAL, items, now=now, ttl_s=600)
-    return registry.call(r, ENQUEUE, k, a)
-
-
-def streams(r: redis.Redis, keys: Keys) -> PriorityStreams:
-    s = PriorityStreams(
-        r, keys, model_name=MODEL, priorities=[NORMAL], worker_name="w1", starvation_pulls=4
-    )
-    s.ensure_groups()
-    return s
 
 
 def pulled(s: PriorityStreams, budget: int) -> list[str]:

@@ -10,7 +10,9 @@ read from the requests' records and the tenant book, never a duration.
 * a tenant returning from idle gets no burst: it is lifted to the busy tenant's virtual time;
 * a lone tenant uses every slot (work-conserving);
 * a worker SIGKILLed mid-run loses nothing and counts nothing twice (served tokens and
-  admissions equal what the records say, once each).
+  admissions equal what the records say, once each), and what KEDA reads (the shared stream's
+  lag + the tenant backlog's length) is what really waits all along, the kill and the claims
+  included.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from pathlib import Path
 import orjson
 import pytest
 import redis
+from keda_figure import keda_and_waiting
 from worker_helpers import WorkerProc, wait_for
 
 from tokenfleet.producer import tenants as tenant_admin
 from tokenfleet.producer.client import Client
 from tokenfleet.shared.keys import Keys
+from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
@@ -241,6 +245,13 @@ def test_a_worker_killed_mid_run_loses_nothing_and_counts_nothing_twice(
             )
             assert all(not isinstance(h, Exception) for h in handles)
         everyone = specs["k-a"] + specs["k-b"]
+        figures: list[tuple[str, int, int]] = []  # (when, KEDA's figure, really waiting)
+
+        def sample(when: str) -> None:
+            keda, waiting = keda_and_waiting(f.r, f.keys, MODEL, Priority.NORMAL, everyone)
+            figures.append((when, keda, waiting))
+
+        sample("submitted")
 
         def victim_running() -> bool:
             return any(
@@ -251,9 +262,19 @@ def test_a_worker_killed_mid_run_loses_nothing_and_counts_nothing_twice(
             )
 
         wait_for(victim_running, "a request mid-run on the first worker")
+        sample("mid-run")
         f.workers[0].signal(signal.SIGKILL)
         f.workers[0].wait()
+        sample("killed")
+
+        def ended() -> bool:
+            sample("claimed and running")
+            return all(r.get("status") == "done" for r in records(f, everyone))
+
+        wait_for(ended, "every request done", 240.0, 0.1)
         recs = wait_done(f, everyone)
+        assert [x for x in figures if x[1] != x[2]] == [], figures
+        assert figures[0][2] >= 40 and figures[-1][2] == 0
         assert all(int(r["num_tokens"]) == 48 for r in recs)
         assert any(int(r.get("attempts") or 0) >= 2 for r in recs)  # someone was resumed
         book = {

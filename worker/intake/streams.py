@@ -68,6 +68,7 @@ class PriorityStreams:
         # fair admission between tenants (docs/fairness.md): what PULL admits from
         self.tenant_queue_of = {p: keys.tenant_queue(model_name, p, "") for p in self.priorities}
         self.active_of = {p: keys.tenants_active(model_name, p) for p in self.priorities}
+        self.backlog_of = {p: keys.tenant_backlog(model_name, p) for p in self.priorities}
         self.book = keys.tenant_book(model_name)
         before, _, after = keys.record("\0").partition("\0")
         self._record_template = (before, after)
@@ -164,7 +165,7 @@ class PriorityStreams:
             ]
             for p in order:  # (routed: no tenant queues; shared: its tenant queues' name)
                 args += ["", self.tenant_queue_of[p]]
-            keys += [self.active_of[p] for p in order]
+            keys += [k for p in order for k in (self.active_of[p], self.backlog_of[p])]
             keys += [self.book, self.keys.cancel_set, self.keys.tally]
             now = repr(time.time())
             args += [now, self.record_ttl_s, self.keys.publish_command, *self._expiry_args]
