@@ -26,7 +26,7 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
     tenant          whose request it is, when it waited in a tenant queue (docs/fairness.md);
                     absent: the default tenant, admitted to the shared stream directly
     tenant_queued   "1" while it waits in its tenant's queue (``Keys.tenant_queue``: cancel and
-                    expiry take it out of there); removed when it is admitted. Absent else
+                    expiry take it out of there); "" once it is admitted. Absent: never was
     waiting_on      the model, when the request was accepted while no live worker served it
                     (declared, or an empty fleet); removed by the worker's START. Absent else
     text            final text (set with the terminal status)

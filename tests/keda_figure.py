@@ -35,6 +35,6 @@ def keda_and_waiting(
     waiting = sum(
         1
         for status, sid, tenant_queued in records
-        if as_str(status) == "queued" and (tenant_queued or as_str(sid) not in read)
+        if as_str(status) == "queued" and (as_str(tenant_queued) == "1" or as_str(sid) not in read)
     )
     return int(group["lag"]) + int(backlog), waiting

@@ -49,7 +49,7 @@
 -- other tenant becomes active, the default tenant's undelivered shared entries (not handed-back
 -- ones) move to its tenant queue, so a backlog from before does not wait ahead of everyone.
 -- A request waiting in a tenant queue has "tenant" and "tenant_queued" = "1" in its record (the
--- latter removed when it is admitted): cancel and expiry find it there (cancel.lua).
+-- latter emptied when it is admitted): cancel and expiry find it there (cancel.lua).
 -- A tenant's own bound ("max|T" in the book) refuses (overloaded) past that many waiting in its
 -- tenant queue; the queue's bound counts every tenant queue's entries too.
 -- Routing: each new request goes to a candidate's routed stream (tf_route.lua: its session's

@@ -9,7 +9,7 @@
 -- (OSDI 2024) kept in Redis. Per queue (model, priority):
 --   tenant queue  P:tq:M:L:T  stream of T's waiting requests (fields id, d, dl, n: prompt tokens;
 --                             the record of a request waiting there has tenant = T and
---                             tenant_queued = "1", removed when it is admitted)
+--                             tenant_queued = "1", emptied when it is admitted)
 --   active set    P:tact:M:L  sorted set: backlogged tenant -> its virtual time
 --   backlog       P:tlen:M:L  list: one element per entry of the queue's tenant queues (its LLEN
 --                             is their total, what KEDA adds to the shared stream's lag)
@@ -73,26 +73,26 @@ end
 
 -- Admit up to `n` waiting requests from the tenant queues into `stream` (the queue's shared
 -- stream), each from the active tenant with the least virtual time; `backlog` follows (the
--- queue's backlog list). `tq` is the tenant queue's
--- name before the tenant (the names end with it); `rec_pre`/`rec_suf` surround a request id in
--- its record's name. An entry whose request is no longer queued there (ended while it waited;
+-- queue's backlog list). `tq` is the tenant queue's name before the tenant (the names end with
+-- it); `rec_pre`/`rec_suf` surround a request id in its record's name. An entry whose request is no longer queued there (ended while it waited;
 -- cancel, expiry and eviction normally remove it at once) is removed without admitting or
 -- charging it; one whose deadline is not after `now` is removed and ended by
 -- `expire(queue, rid)` (the caller's tf_finish: "expired"), neither admitted nor charged.
 -- Returns how many were admitted.
 local function tt_admit(n, stream, active, backlog, book, tq, rec_pre, rec_suf, now, expire)
-  local moved = 0
+  local moved, taken = 0, 0
   while moved < n do
     local least = redis.call('ZRANGE', active, 0, 0)
     local tenant = least[1]
     if not tenant then break end
     local queue = tq .. tenant
-    local head = redis.call('XRANGE', queue, '-', '+', 'COUNT', 1)[1]
+    local firsts = redis.call('XRANGE', queue, '-', '+', 'COUNT', 2)  -- (a second: not last)
+    local head = firsts[1]
     if not head then
       tt_deactivate(active, backlog, tenant)
     else
       redis.call('XDEL', queue, head[1])
-      tt_backlog(backlog, -1)
+      taken = taken + 1
       local rid = tt_field(head, 'id') or ''
       local rec = rec_pre .. rid .. rec_suf
       local held = redis.call('HMGET', rec, 'status', 'stream_id')
@@ -106,16 +106,16 @@ local function tt_admit(n, stream, active, backlog, book, tq, rec_pre, rec_suf, 
         local sid = redis.call('XADD', stream, '*', 'id', rid, 'd', tt_field(head, 'd') or '',
                                'dl', tt_field(head, 'dl') or '', 't', tenant, 'n', prompt,
                                'o', tt_field(head, 'o') or head[1])
-        redis.call('HSET', rec, 'stream_id', sid)
-        redis.call('HDEL', rec, 'tenant_queued')
+        redis.call('HSET', rec, 'stream_id', sid, 'tenant_queued', '')
         redis.call('HINCRBY', book, 'admitted|' .. tenant, 1)
         tt_charge(active, book, tenant, math.max(prompt, 1))
         moved = moved + 1
       end
-      if redis.call('XLEN', queue) == 0 then
+      if not firsts[2] then  -- its queue is empty now
         tt_deactivate(active, backlog, tenant)
       end
     end
   end
+  tt_backlog(backlog, -taken)  -- (after a DEL by tt_deactivate: nothing left to pop)
   return moved
 end
