@@ -2,8 +2,9 @@
 
 A tenant's settings live in the fleet's hash (``Keys.tenants``) and are copied into the tenant
 book of every model the fleet knows (``Keys.tenant_book``: where the scripts read the weight and
-the tenant's own bound, in the model's lane). A model first used after a ``set`` gets the copy
-at the next ``set`` or ``sync``; until then its requests count with weight 1 and no own bound.
+the tenant's own bound, in the model's lane). A model first used after a ``set`` gets them from
+its producers: a client reads a tenant's settings from the fleet's hash (cached a second) and its
+enqueue script stores them in the book, unless the book holds settings set later (``at|T``).
 
 The figures per (model, tenant): waiting (in its tenant queues), admitted, served tokens and
 virtual time, from the books and queues (bounded: one read per model and tenant).
@@ -11,6 +12,7 @@ virtual time, from the books and queues (bounded: one read per model and tenant)
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,8 +43,9 @@ def set_tenant(
     max_waiting: int | None = None,
     clear_bound: bool = False,
 ) -> TenantSettings:
-    """Store ``tenant``'s settings (what is not given stays as it was) and copy them into every
-    known model's tenant book. ``InvalidRequest`` for a bad name, weight or bound."""
+    """Store ``tenant``'s settings (what is not given stays as it was, stamped with the time
+    now) and copy them into every known model's tenant book. ``InvalidRequest`` for a bad name,
+    weight or bound."""
     check_tenant(tenant)
     held = TenantSettings.decode(client.hget(keys.tenants, tenant))
     if max_waiting is not None and max_waiting < 0:
@@ -50,6 +53,7 @@ def set_tenant(
     new = TenantSettings(
         check_weight(weight) if weight is not None else held.weight,
         None if clear_bound else (max_waiting if max_waiting is not None else held.max_waiting),
+        time.time(),
     )
     client.hset(keys.tenants, tenant, new.encode())
     sync(client, keys, {tenant: new})
@@ -67,7 +71,7 @@ def sync(client: redis.Redis, keys: Keys, tenants: dict[str, TenantSettings] | N
         book = keys.for_model(model).tenant_book(model)
         pipe = client.pipeline(transaction=False)
         for name, s in tenants.items():
-            pipe.hset(book, f"w|{name}", repr(s.weight))
+            pipe.hset(book, mapping={f"w|{name}": repr(s.weight), f"at|{name}": repr(s.at)})
             if s.max_waiting is None:
                 pipe.hdel(book, f"max|{name}")
             else:

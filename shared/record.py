@@ -20,7 +20,8 @@ an absent field reads as its default (every reader, Python or Lua, treats it so)
                     "session";
                     absent: "shared" (docs/routing.md)
     routed_to       the worker of its routed stream; absent: none (both kept when another
-                    worker takes it)
+                    worker takes it; a request waiting in a tenant queue gets both when it is
+                    admitted into that worker's routed stream, docs/routing.md)
     taken           another worker took it after it waited: "stolen_by:W" (from a routed
                     stream) or "overflow:W" (an overflow worker); absent: nobody
     tenant          whose request it is, when it waited in a tenant queue (docs/fairness.md);

@@ -63,14 +63,17 @@ def prompt_tokens(
 @dataclass(frozen=True, slots=True)
 class TenantSettings:
     """One tenant's settings as ``tokenfleet tenants set`` stores them (``Keys.tenants``):
-    ``weight`` (> 0) and ``max_waiting`` (its own bound per queue; None: only the queue's)."""
+    ``weight`` (> 0), ``max_waiting`` (its own bound per queue; None: only the queue's) and
+    ``at``, when they were set (epoch seconds, the setter's clock; 0: unknown): a model's book
+    keeps the ``at`` of the settings it holds, and older ones never replace newer ones there."""
 
     weight: float = 1.0
     max_waiting: int | None = None
+    at: float = 0.0
 
     def encode(self) -> bytes:
         """The JSON kept in ``Keys.tenants``."""
-        return orjson.dumps({"weight": self.weight, "max_waiting": self.max_waiting})
+        return orjson.dumps({"weight": self.weight, "max_waiting": self.max_waiting, "at": self.at})
 
     @classmethod
     def decode(cls, raw: bytes | str | None) -> TenantSettings:
@@ -83,9 +86,11 @@ class TenantSettings:
             return cls()
         weight = data.get("weight")
         bound = data.get("max_waiting")
+        at = data.get("at")
         return cls(
             float(weight) if isinstance(weight, int | float) and weight > 0 else 1.0,
             bound if isinstance(bound, int) and bound >= 0 else None,
+            float(at) if isinstance(at, int | float) and not isinstance(at, bool) else 0.0,
         )
 
 

@@ -61,6 +61,7 @@ from tokenfleet.shared.scripts.enqueue import (
 )
 from tokenfleet.shared.scripts.queue_stats import QUEUE_STATS
 from tokenfleet.shared.settings import Settings
+from tokenfleet.shared.tenants import DEFAULT_TENANT, TenantSettings
 
 CANCELLED_MESSAGE = "cancelled by the client before it started"
 # Routing: the candidates of a model (Keys.routers) are read at most this often per client, and
@@ -68,6 +69,9 @@ CANCELLED_MESSAGE = "cancelled by the client before it started"
 # streams' waiting entries count in the bound; the script routes only to live ones).
 ROUTERS_TTL_S = 1.0
 ROUTERS_RECENT_S = 60.0
+# Tenants (docs/fairness.md): a tenant's settings in the fleet's hash are read at most this
+# often per client, for the enqueue script to store in a model's book that lacks them.
+TENANTS_TTL_S = 1.0
 
 H = TypeVar("H")  # the handle class a face hands out
 
@@ -119,6 +123,7 @@ class ClientCore(ABC, Generic[H]):
         )
         self._owns_redis = False
         self._routers: dict[str, tuple[float, tuple[str, ...]]] = {}  # model -> (read at, names)
+        self._tenants: dict[str, tuple[float, TenantSettings | None]] = {}  # name -> (read at, it)
         self._route_tokenizers = RouteTokenizers(self._keys, ROUTERS_TTL_S)
         self._lanes = LaneDirectory(self._keys)  # (a cluster: each model's lane, the registry)
 
@@ -187,8 +192,11 @@ class ClientCore(ABC, Generic[H]):
         lagged = OutageClock(self.settings.redis_retry_s)
         while True:
             route = yield from self._route_targets(prepared.model)
+            held = yield from self._tenant_settings([prepared])
             try:
-                code, value = ops.enqueue_pair((yield self._enqueue(prepared, try_only, route)))
+                code, value = ops.enqueue_pair(
+                    (yield self._enqueue(prepared, try_only, route, held))
+                )
             except ReplicationLagged as exc:  # not known to survive a failover: send it again
                 pause = lagged.next_wait(exc, until)  # (the same id: at most once in Redis)
                 if pause is None:
@@ -229,6 +237,26 @@ class ClientCore(ABC, Generic[H]):
             self._routers[model] = cached
         return RouteTargets(cached[1], self.settings.session_ttl_s)
 
+    def _tenant_settings(self, prepared: Sequence[Prepared]) -> Plan[dict[str, TenantSettings]]:
+        """The stored settings (``tokenfleet tenants set``) of the requests' tenants and of the
+        default tenant, for the enqueue script to store in a model's book that lacks them
+        (cached ``TENANTS_TTL_S``; a tenant without settings: left out). None are read when
+        every request is the default tenant's: its settings matter only beside another tenant's
+        requests, whose enqueue stores them too."""
+        names = {p.tenant for p in prepared}
+        if names <= {DEFAULT_TENANT}:
+            return {}
+        names.add(DEFAULT_TENANT)
+        now = time.monotonic()
+        stale = sorted(
+            n for n in names if n not in self._tenants or now - self._tenants[n][0] >= TENANTS_TTL_S
+        )
+        if stale:
+            raw = yield Command(HashCommands.hmget, (self._keys.fleet.tenants, stale))
+            for name, value in zip(stale, raw, strict=True):
+                self._tenants[name] = (now, TenantSettings.decode(value) if value else None)
+        return {n: held for n in sorted(names) if (held := self._tenants[n][1]) is not None}
+
     def _resubmit(self, prepared: Prepared) -> Plan[None]:
         """Enqueue ``prepared`` again (same id and parameters) after Redis lost it: its queue's
         policy applies as to any submit (``full`` waits, with ``BLOCK_POLL``'s pauses); a refusal
@@ -236,7 +264,8 @@ class ClientCore(ABC, Generic[H]):
         delay, growth, ceiling = ops.BLOCK_POLL
         while True:
             route = yield from self._route_targets(prepared.model)
-            code, value = ops.enqueue_pair((yield self._enqueue(prepared, False, route)))
+            held = yield from self._tenant_settings([prepared])
+            code, value = ops.enqueue_pair((yield self._enqueue(prepared, False, route, held)))
             if code in ("new", "exists"):
                 self._lanes.remember(prepared.request_id, prepared.model)
                 return
@@ -250,7 +279,11 @@ class ClientCore(ABC, Generic[H]):
         return self._submit(prompt, params, timeout=0.0, try_only=True)
 
     def _enqueue(
-        self, prepared: Prepared, try_only: bool, route: RouteTargets | None = None
+        self,
+        prepared: Prepared,
+        try_only: bool,
+        route: RouteTargets | None = None,
+        tenant_settings: Mapping[str, TenantSettings] | None = None,
     ) -> RunScript:
         k, a = enqueue_keys_args(
             self._keys.for_model(prepared.model),
@@ -261,6 +294,7 @@ class ClientCore(ABC, Generic[H]):
             ttl_s=self.settings.record_ttl_s,
             try_only=try_only,
             route=route,
+            tenant_settings=tenant_settings,
         )
         return RunScript(ENQUEUE, k, a, confirm=True)
 
@@ -280,17 +314,21 @@ class ClientCore(ABC, Generic[H]):
             if model not in routes:
                 routes[model] = yield from self._route_targets(model)
         yield from self._attach_chains([prepared[i] for i in keep])
+        held = yield from self._tenant_settings([prepared[i] for i in keep])
 
         def call(b: int) -> RunScript:  # made as the driver sends them (LazyCalls)
             (model, priority), indices = batches[b]
+            items = [prepared[i] for i in indices]
+            names = {p.tenant for p in items} | {DEFAULT_TENANT}
             k, a = enqueue_keys_args(
                 self._keys.for_model(model),
                 model,
                 priority,
-                [prepared[i] for i in indices],
+                items,
                 now=now,
                 ttl_s=self.settings.record_ttl_s,
                 route=routes[model],
+                tenant_settings={n: s for n, s in held.items() if n in names},
             )
             return RunScript(ENQUEUE, k, a)
 

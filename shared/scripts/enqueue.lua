@@ -35,7 +35,11 @@
 --            "" (the default): a default-tenant request goes to the shared stream while no
 --            other tenant waits in this queue (no cost for a fleet of one tenant)
 -- ARGV[29 .. 28+C] = the candidates' names
--- ARGV[29+C ..] = nonuples: request id, encoded request, deadline (epoch seconds) or "",
+-- ARGV[29+C] = S, the number of tenant settings that follow
+-- ARGV[30+C .. 29+C+4S] = quadruples: tenant, weight, own bound or "" (none), when they were set
+--              (what `tokenfleet tenants set` stored in the fleet's hash, which the producer
+--              read: stored in the book unless it holds settings set later, tt_seed)
+-- ARGV[30+C+4S ..] = nonuples: request id, encoded request, deadline (epoch seconds) or "",
 --              the request's fingerprint (kept in the record as "fingerprint"), or "" for none
 --              (a generated id: no other request can carry it, so nothing to compare), the
 --              KEYS index of its session key or "" (none), its prefix chain (links separated
@@ -43,9 +47,13 @@
 --              prompt tokens (as the producer counts them: what admission charges)
 -- Tenants (docs/fairness.md, tf_tenants.lua): a request of the default tenant goes to the
 -- shared stream as before while the queue's active-tenant set is empty; otherwise it waits in
--- its tenant's queue (no routing: where it runs is decided when it is admitted) and is admitted
--- into the shared stream by tt_admit, here (one request when the shared stream has nothing
--- undelivered, so that a worker blocked on it wakes up) and in worker_pull.lua. When the first
+-- its tenant's queue, with the worker routing chose for it and why (fields r and rt: the pick
+-- is made here, session pin included; its record gets route and routed_to when it is admitted),
+-- and is admitted by tt_admit into that worker's routed stream if the worker is still a target,
+-- else into the shared stream: here (one request when the shared stream has nothing
+-- undelivered, so that a worker wakes up; it routes only when this call has candidates: their
+-- routed streams' names give the level's, a candidate's name removed) and in worker_pull.lua
+-- (and worker_overflow.lua for an overflow worker). When the first
 -- other tenant becomes active, the default tenant's undelivered shared entries (not handed-back
 -- ones) move to its tenant queue, so a backlog from before does not wait ahead of everyone.
 -- A request waiting in a tenant queue has "tenant" and "tenant_queued" = "1" in its record (the
@@ -84,8 +92,9 @@
 -- @include tf_tenants.lua
 
 local R, C = tonumber(ARGV[23]), tonumber(ARGV[24])
+local S = tonumber(ARGV[29 + C])
 local F = 11  -- the fixed keys before the routing keys
-local J0 = 29 + C  -- the first request's ARGV
+local J0 = 30 + C + 4 * S  -- the first request's ARGV
 local W = 9  -- ARGVs per request
 if #KEYS ~= F + R + (#ARGV - J0 + 1) / W then
   return redis.error_reply('enqueue: KEYS must hold one record key per request')
@@ -222,6 +231,9 @@ local reclaimed = false
 local counted = {{stream, true}}
 for c = 1, C do counted[#counted + 1] = {KEYS[F + 2 + 2 * c], true} end
 local active, book, backlog, tq = KEYS[9], KEYS[10], KEYS[11], ARGV[27]
+for j = 30 + C, 29 + C + 4 * S, 4 do
+  tt_seed(book, ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3])
+end
 local tenanted = {}  -- tenant -> true once its queue is in `counted`
 local function count_tenant(t)
   if not tenanted[t] then
@@ -291,7 +303,7 @@ local function start_fairness()
     if rid and not field(e, 'h') and not field(e, 't') then
       local tenant_queue, moved_record = tq .. 'default', ARGV[9] .. rid .. ARGV[10]
       local sid = redis.call('XADD', tenant_queue, '*', 'id', rid, 'd', field(e, 'd') or '',
-                             'dl', field(e, 'dl') or '', 'n', field(e, 'n') or '0')
+                             'dl', field(e, 'dl') or '', 'n', field(e, 'n') or '0', 'o', e[1])
       redis.call('XDEL', stream, e[1])
       redis.call('HSET', moved_record, 'stream_id', sid, 'tenant', 'default', 'tenant_queued',
                  '1')
@@ -382,25 +394,31 @@ for j = J0, #ARGV, W do
       end
     end
     local chosen, route = nil, nil
-    if admit and R > 0 and not own then
+    if admit and R > 0 then
       local chain = {}
       for link in string.gmatch(ARGV[j + 5], '%S+') do chain[#chain + 1] = link end
       chosen, route = router.pick(tonumber(ARGV[j + 4]), chain)
     end
     local target = stream
-    if chosen then
+    if own then  -- the route goes with it (fields r, rt), applied when it is admitted
+      target = tq .. tenant
+    elseif chosen then
       target = KEYS[F + 2 + 2 * chosen]
       if not group_state(target) then
         redis.call('XGROUP', 'CREATE', target, group, '0', 'MKSTREAM')
       end
       router.added(chosen)
-    elseif own then
-      local tenant_queue = tq .. tenant
-      target = tenant_queue
     end
     if admit then
-      local sid = redis.call('XADD', target, '*', 'id', rid, 'd', payload, 'dl', deadline,
-                             'n', prompt)
+      local sid
+      if own and chosen then
+        sid = redis.call('XADD', target, '*', 'id', rid, 'd', payload, 'dl', deadline,
+                         'n', prompt, 'r', ARGV[28 + chosen], 'rt', route)
+        chosen = nil  -- (the record says where it runs once it is admitted)
+      else
+        sid = redis.call('XADD', target, '*', 'id', rid, 'd', payload, 'dl', deadline,
+                         'n', prompt)
+      end
       -- The payload lives in the stream entry only (the worker reads it there; a claim or a
       -- handback keeps the entry's fields), so the record does not store a second copy.
       fields[2] = sid
@@ -451,9 +469,15 @@ end
 -- a worker blocked on the shared stream wakes for work waiting in tenant queues: one is
 -- admitted whenever nothing there is undelivered (worker_pull.lua admits the rest)
 if fair and undelivered(stream) == 0 then
+  local rt = nil  -- (the routers set and load hash are KEYS[F + 1], KEYS[F + 2] when C > 0)
+  if C > 0 then
+    local first = KEYS[F + 4]
+    rt = {level = ARGV[6], now = tonumber(now), pre = string.sub(first, 1, #first - #ARGV[29]),
+          group = group, me = '', seen = {}}
+  end
   tt_admit(1, stream, active, backlog, book, tq, ARGV[9], ARGV[10], now, function(queue, rid)
     end_waiting(queue, '', rid, 'expired', ARGV[16], ARGV[20])
-  end)
+  end, rt, KEYS[F + 1], KEYS[F + 2])
 end
 redis.call('SADD', KEYS[3], ARGV[4])
 if #fresh > 0 then

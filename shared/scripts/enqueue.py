@@ -31,7 +31,7 @@ routed streams' waiting entries too (see the script's header).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,7 +41,7 @@ from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.queue_config import DEFAULT_QUEUE_CONFIG
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus, request_fingerprint
 from tokenfleet.shared.scripts.registry import load_lua
-from tokenfleet.shared.tenants import DEFAULT_TENANT
+from tokenfleet.shared.tenants import DEFAULT_TENANT, TenantSettings
 
 # How many of the oldest waiting entries a full queue inspects for passed deadlines before it
 # evicts or refuses (bounded work per call; docs/client.md, "Deadlines").
@@ -140,6 +140,7 @@ def enqueue_keys_args(
     try_only: bool = False,
     route: RouteTargets | None = None,
     always_fair: bool = False,
+    tenant_settings: Mapping[str, TenantSettings] | None = None,
 ) -> tuple[list[str], list[str | bytes]]:
     """KEYS and ARGV for :data:`ENQUEUE` (one queue, any number of requests): the queue's four
     keys, the fleet's two model keys, the lane's tally and recent list, the queue's active
@@ -153,6 +154,8 @@ def enqueue_keys_args(
     None: routing off (everything to the shared stream, only its waiting entries counted).
     Each item's tenant, weight and prompt tokens go with it (docs/fairness.md); ``always_fair``
     sends every request through its tenant queue, the default tenant's too.
+    ``tenant_settings``: tenants' settings as the fleet's hash holds them (``Keys.tenants``,
+    another slot on a cluster), stored in the model's book unless it holds newer ones.
     """
     member = keys.queue_member(model, priority)
     dropped = TerminalEvent(
@@ -218,7 +221,11 @@ def enqueue_keys_args(
         keys.tenant_queue(model, priority, ""),
         "1" if always_fair else "",
         *workers,
+        str(len(tenant_settings or ())),
     ]
+    for name, held in (tenant_settings or {}).items():
+        bound = "" if held.max_waiting is None else str(held.max_waiting)
+        args += [name, repr(held.weight), bound, repr(held.at)]
     record = keys.record
     for item in items:
         key_list.append(record(item.request_id))

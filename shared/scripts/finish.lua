@@ -21,6 +21,7 @@
 -- or is gone and the end is done (never a truncated success; an error end is written).
 -- @include tf_keep_failed.lua
 -- @include tf_finish.lua
+-- @include tf_route.lua
 -- @include tf_tenants.lua
 
 local function keep_failed(stream, sid, rid, holder, fields)

@@ -1,5 +1,7 @@
--- KEYS: none (an include, not a script: `-- @include tf_route.lua` pastes it into enqueue.lua;
---       its functions take the keys they use as arguments, every one from the caller's KEYS[])
+-- KEYS: none (an include, not a script: `-- @include tf_route.lua` pastes it into enqueue.lua,
+--       and, before tf_tenants.lua, which routes admitted requests with route_target, into
+--       worker_pull.lua, worker_overflow.lua and finish.lua; its functions take the keys they
+--       use as arguments, every one from the caller's KEYS[])
 -- ARGV: none
 -- Routing (docs/routing.md) for one enqueue call. A call names its candidate workers (the
 -- model's routers the producer knows of), each with two keys: KEYS[base + 2c] its prefix set,
@@ -10,23 +12,32 @@
 --     the route ("session" | "prefix:N"), pinning the session to the chosen worker
 --   added(c): one more entry is waiting in candidate c's routed stream
 -- Candidate c is live while its score in the routers set is above now and it serves the
--- queue's level (the load hash's 4th field lists its levels; absent: all); it is a target while
--- its load (undelivered routed entries + the running its heartbeat reported) is below twice its
--- max_num_seqs (a prefix hit is worth a short wait; stealers take what waits too long).
+-- queue's level (the load hash's 4th field lists its levels; absent: all): route_target(); it
+-- is a target while its load (undelivered routed entries + the running its heartbeat reported)
+-- is below twice its max_num_seqs (a prefix hit is worth a short wait; stealers take what waits
+-- too long). The same rule decides, when a request routed while it waited in a tenant queue is
+-- admitted, whether its worker still takes it (tf_tenants.lua).
+-- Worker `name` as a routing target of a queue of `level`, from the routers set `routers` and
+-- the load hash `loads`: whether it is live, what its heartbeat says it runs, its max_num_seqs.
+local function route_target(routers, loads, name, now, level)
+  local score = redis.call('ZSCORE', routers, name)
+  local live = score ~= false and score ~= nil and tonumber(score) > now
+  local load = redis.call('HGET', loads, name) or ''
+  local levels = string.match(load, '^%d+ %d+ %d+ (%S+)')
+  if levels and not string.find(',' .. levels .. ',', ',' .. level .. ',', 1, true) then
+    live = false
+  end
+  local running, cap = string.match(load, '^(%d+) (%d+)')
+  return live, tonumber(running or '') or 0, tonumber(cap or '') or 32
+end
+
 local function new_router(base, names, now, session_ttl, undelivered, level)
   local r = {n = #names, load = {}, live = {}, cap = {}, queued = {}}
   for c = 1, r.n do
-    local score = redis.call('ZSCORE', KEYS[base], names[c])
-    r.live[c] = score ~= false and score ~= nil and tonumber(score) > now
+    local running
+    r.live[c], running, r.cap[c] = route_target(KEYS[base], KEYS[base + 1], names[c], now, level)
     r.queued[c] = undelivered(KEYS[base + 2 * c + 1])
-    local load = redis.call('HGET', KEYS[base + 1], names[c]) or ''
-    local levels = string.match(load, '^%d+ %d+ %d+ (%S+)')
-    if levels and not string.find(',' .. levels .. ',', ',' .. level .. ',', 1, true) then
-      r.live[c] = false
-    end
-    local running, cap = string.match(load, '^(%d+) (%d+)')
-    r.cap[c] = tonumber(cap or '') or 32
-    r.load[c] = r.queued[c] + (tonumber(running or '') or 0)
+    r.load[c] = r.queued[c] + running
   end
   function r.waiting()
     local total = 0

@@ -16,6 +16,8 @@ Each keeps one invariant of the durable record atomically:
   an older snapshot) took from a request it runs or ended: the missing tail of its token list
   (published again), its record, its end, and drops an entry that reappeared or was resubmitted;
   a list holding events the worker did not publish is ``divergent`` (nothing written).
+* ``STEAL`` takes other workers' routed entries that waited too long; ``OVERFLOW`` is an
+  overflow worker's take, which also admits aged requests from tenant queues (fairly).
 * ``FORGET_ROUTERS`` drops a long-lapsed routed worker from its model's routers set only while
   its routed streams are empty, deleting them with it, so that no routed entry is orphaned.
 """
@@ -37,6 +39,7 @@ APPEND_TOKENS = load_lua("tokenfleet.shared.scripts", "worker_append_tokens.lua"
 HANDBACK = load_lua("tokenfleet.shared.scripts", "worker_handback.lua", ok_codes=("lost",))
 PULL = load_lua("tokenfleet.shared.scripts", "worker_pull.lua")
 STEAL = load_lua("tokenfleet.shared.scripts", "worker_steal.lua")
+OVERFLOW = load_lua("tokenfleet.shared.scripts", "worker_overflow.lua")
 FORGET_ROUTERS = load_lua("tokenfleet.shared.scripts", "worker_forget_routers.lua")
 REPAIR = load_lua(
     "tokenfleet.shared.scripts", "worker_repair.lua", ok_codes=("retry", "yield", "divergent")

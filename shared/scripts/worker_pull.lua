@@ -5,7 +5,8 @@
 --              name in ARGV (below), j = 1 .. m; when m > 0, then KEYS[n+2m+1] = the model's
 --              tenant book (Keys.tenant_book), KEYS[n+2m+2] = the cancel set, KEYS[n+2m+3] =
 --              the queue ends hash (Keys.tally): what ending an expired request at admission
---              needs
+--              needs, KEYS[n+2m+4] = the model's routers set (Keys.routers) and KEYS[n+2m+5] =
+--              its load hash (Keys.route_load): where a routed request may be admitted
 -- ARGV[1] = consumer group name          ARGV[2] = consumer (the worker's name)
 -- ARGV[3] = budget: entries to read at most, over all streams
 -- ARGV[4] = n, the number of streams
@@ -19,6 +20,9 @@
 --              command (PUBLISH or SPUBLISH), a token list's name before and after the request
 --              id, a channel's name before and after it, the encoded "expired" terminal event
 --              with the placeholder ARGV[15+3n] in place of the id, the expired message
+-- ARGV[16+3n+i] = for a shared stream KEYS[i] that has tenant queues, the routed streams' name
+--              of its level before the worker (Keys.routed with worker ""); "" or absent for a
+--              routed stream (optional: without it, admission routes nothing)
 -- Returns {"ok", levels_read, groups_lost, reply...}: one XREADGROUP reply ({stream, entries})
 -- per stream that had new entries; levels_read counts the streams read (empty or not) before
 -- the budget ran out; groups_lost is 1 if a stream or its group was missing (deleted, e.g. by
@@ -28,13 +32,16 @@
 -- A node that refuses writes now (NOREPLICAS: min-replicas-to-write; READONLY: a replica)
 -- refuses the first XREADGROUP already, so nothing was read: that error is the script's reply
 -- (the caller's outage handling), not a lost group.
--- Tenants (docs/fairness.md, tf_tenants.lua): before a shared stream whose queue has active
--- tenants is read, requests are admitted into it from its tenant queues (the least virtual time
--- first) until it holds one more undelivered entry than the read takes; the one left over wakes
--- a worker blocked on that stream, whose own pull admits the rest. A queue with no active
--- tenant costs one ZCARD and is read as without tenants. A request met at admission with its
--- deadline passed is ended "expired" here (tf_finish), neither admitted nor charged.
+-- Tenants (docs/fairness.md, tf_tenants.lua): before the first stream of a level whose queue
+-- has active tenants is read, requests are admitted from its tenant queues (the least virtual
+-- time first) into its shared stream, or into the routed stream of the worker each was routed
+-- to (tt_admit), until this worker's streams of the level hold one more undelivered entry than
+-- the read takes; the one left over wakes a worker blocked on the shared stream, whose own pull
+-- admits the rest (and a request routed to another worker wakes that one). A queue with no
+-- active tenant costs one ZCARD and is read as without tenants. A request met at admission with
+-- its deadline passed is ended "expired" here (tf_finish), neither admitted nor charged.
 -- @include tf_finish.lua
+-- @include tf_route.lua
 -- @include tf_tenants.lua
 
 local left = tonumber(ARGV[3])
@@ -42,13 +49,17 @@ local n = tonumber(ARGV[4])
 local out = {'ok', 0, 0}
 local level_cap = {}
 local rec_pre, rec_suf = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
-local active_of, backlog_of, fair = {}, {}, 0
+local fair = 0
+local tenanted = {}  -- level -> {i = its shared stream's index, j = its tenant keys' number}
+local own = {}  -- level -> the indices of its streams (what this worker reads of it)
 for i = 1, n do
+  local level = ARGV[4 + n + i] or tostring(i)
+  own[level] = own[level] or {}
+  table.insert(own[level], i)
   local tq = ARGV[6 + 2 * n + i]
   if tq and tq ~= '' then
     fair = fair + 1
-    active_of[i] = KEYS[n + 2 * fair - 1]
-    backlog_of[i] = KEYS[n + 2 * fair]
+    tenanted[level] = {i = i, j = fair}
   end
 end
 local book = KEYS[n + 2 * fair + 1]
@@ -57,32 +68,28 @@ local now = ARGV[x]
 
 -- end request `rid`, met at admission past its deadline (its tenant-queue entry is deleted)
 local function expire(queue, rid)
-  local event = ARGV[x + 7]
-  local at = string.find(event, ARGV[x + 8], 1, true)
-  event = string.sub(event, 1, at - 1) .. rid .. string.sub(event, at + #ARGV[x + 8])
-  local expired_record = rec_pre .. rid .. rec_suf
-  local expired_tokens = ARGV[x + 3] .. rid .. ARGV[x + 4]
-  local expired_channel = ARGV[x + 5] .. rid .. ARGV[x + 6]
-  tf_finish(expired_record, expired_tokens, expired_channel, queue, KEYS[n + 2 * fair + 2],
-            rid, 'expired', event, now, ARGV[x + 1], '', ARGV[1], '',
-            {'code', 'expired', 'message', ARGV[x + 9], 'finish_reason', ''}, ARGV[x + 2],
-            KEYS[n + 2 * fair + 3], nil)
+  tt_expire(x, queue, rid, rec_pre, rec_suf, KEYS[n + 2 * fair + 2], KEYS[n + 2 * fair + 3],
+            ARGV[1])
 end
 
--- entries of stream not yet delivered to the group: XLEN - pending (what the enqueue script
--- counts; Redis 6.2 has no XINFO lag)
-local function undelivered(stream)
-  local groups = redis.pcall('XINFO', 'GROUPS', stream)
-  if type(groups) == 'table' and not groups.err then
-    for _, g in ipairs(groups) do
-      local name, pending
-      for j = 1, #g, 2 do
-        if g[j] == 'name' then name = g[j + 1] elseif g[j] == 'pending' then pending = g[j + 1] end
-      end
-      if name == ARGV[1] then return redis.call('XLEN', stream) - (tonumber(pending) or 0) end
-    end
+-- Admit into `level`'s streams from its tenant queues: up to one more than `count` undelivered
+-- in this worker's streams of the level (what it reads next)
+local function admit(level, count)
+  local t = tenanted[level]
+  if not t then return end
+  local active, backlog = KEYS[n + 2 * t.j - 1], KEYS[n + 2 * t.j]
+  if redis.call('ZCARD', active) == 0 then return end
+  local need = count + 1
+  for _, i in ipairs(own[level]) do need = need - tt_undelivered(KEYS[i], ARGV[1]) end
+  if need <= 0 then return end
+  local rt = nil  -- routing at admission (tt_routed)
+  local routed = ARGV[16 + 3 * n + t.i]
+  if routed and routed ~= '' then
+    rt = {pre = routed, level = level, now = tonumber(now), group = ARGV[1], me = ARGV[2],
+          seen = {}}
   end
-  return 0
+  tt_admit(need, KEYS[t.i], active, backlog, book, ARGV[6 + 2 * n + t.i], rec_pre, rec_suf, now,
+           expire, rt, KEYS[n + 2 * fair + 4], KEYS[n + 2 * fair + 5])
 end
 
 for i = 1, n do
@@ -92,20 +99,16 @@ for i = 1, n do
   local count = left
   local level = ARGV[4 + n + i] or tostring(i)
   local cap = level_cap[level]
-  if cap == nil then
+  local first = cap == nil  -- the level's first stream: admission from its tenant queues
+  if first then
     cap = tonumber(ARGV[4 + i] or '-1')
     level_cap[level] = cap
   end
   if cap >= 0 and cap < count then
     count = cap
   end
-  local active = active_of[i]
-  if count > 0 and active and redis.call('ZCARD', active) > 0 then
-    local need = count + 1 - undelivered(KEYS[i])
-    if need > 0 then
-      tt_admit(need, KEYS[i], active, backlog_of[i], book, ARGV[6 + 2 * n + i], rec_pre, rec_suf,
-               now, expire)
-    end
+  if first and count > 0 then
+    admit(level, count)
   end
   if count > 0 then
     out[2] = i

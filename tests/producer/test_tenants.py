@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from tokenfleet.producer import AsyncClient, Client
-from tokenfleet.shared.errors import InvalidRequest
+from tokenfleet.shared.errors import InvalidRequest, Overloaded
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.settings import Settings
@@ -92,3 +92,39 @@ def test_a_lane_without_queues_reads_no_tenants() -> None:
     with pytest.raises(StopIteration) as ended:
         next(plan)
     assert ended.value.value == []
+
+
+def test_settings_set_before_a_model_exists_reach_its_book_with_its_first_requests(
+    client: Client, r: redis.Redis, keys: Keys, settings: Settings
+) -> None:
+    """``tenants set`` copies into the models known then; a model used later gets the settings
+    from its producers' enqueue (read from the fleet's hash), and a stale copy never undoes a
+    later ``set``."""
+    from tokenfleet.producer import tenants as admin
+
+    admin.set_tenant(r, keys, "acme", weight=3, max_waiting=2)
+    admin.set_tenant(r, keys, "default", weight=2)
+    book = keys.tenant_book("later")
+    assert not r.exists(book)  # no model known yet: nothing copied
+    client.submit("one", tenant="acme", model="later", max_tokens=2)
+    assert r.hget(book, "w|acme") == b"3.0" and r.hget(book, "max|acme") == b"2"
+    assert r.hget(book, "w|default") == b"2.0"  # (beside another tenant, the default's count)
+    # its own bound applies in the new model: one admitted, two wait, the next is refused
+    client.submit_many([{"prompt": "x", "tenant": "acme", "model": "later"} for _ in range(2)])
+    assert r.xlen(keys.tenant_queue("later", Priority.NORMAL, "acme")) == 2
+    refused = client.submit_many([{"prompt": "y", "tenant": "acme", "model": "later"}])
+    assert isinstance(refused[0], Overloaded) and "own bound" in str(refused[0])
+    # a later set wins over a producer's cached copy of the earlier one
+    admin.set_tenant(r, keys, "acme", weight=5, clear_bound=True)
+    assert r.hget(book, "w|acme") == b"5.0" and r.hget(book, "max|acme") is None
+    client.submit("two", tenant="acme", model="later", max_tokens=2)  # (cache: weight 3, bound 2)
+    assert r.hget(book, "w|acme") == b"5.0" and r.hget(book, "max|acme") is None
+    rows = {(row.model, row.tenant): row for row in admin.book_rows(r, keys, "later")}
+    assert (rows["later", "acme"].weight, rows["later", "acme"].max_waiting) == (5.0, None)
+    # another client (no cache) on yet another model: the newest settings, no own bound
+    with Client.from_url(settings=settings) as other:
+        other.submit("three", tenant="acme", model="newest", max_tokens=2)
+    newest = keys.tenant_book("newest")
+    assert r.hget(newest, "w|acme") == b"5.0" and r.hget(newest, "max|acme") in (None, b"")
+    rows = {(row.model, row.tenant): row for row in admin.book_rows(r, keys, "newest")}
+    assert rows["newest", "acme"].max_waiting is None

@@ -36,19 +36,27 @@ PACKAGE_FOLDERS = {
 # and worker_pull.lua build them from Keys' templates; the worker's PULL takes each queue's
 # active-tenant set and tenant backlog in KEYS but through tables (``active``, ``backlog``), one
 # per stream, and ends a request it meets past its deadline at admission, whose keys it builds
-# the same way (``expired_*``).
-_TENANT_BUILT = frozenset({"queue", "rec"})
+# the same way (``expired_*``). A request routed while it waited in a tenant queue is admitted
+# into its worker's routed stream, which the script builds from the level's routed-stream name
+# and the worker the entry names (``routed_stream``, tf_tenants.lua's tt_routed); an overflow
+# worker's OVERFLOW admits from tenant queues as PULL does.
+_TENANT_BUILT = frozenset({"queue", "rec", "routed_stream"})
+# tf_tenants.lua's tt_expire (PULL's and OVERFLOW's end of a request met past its deadline at
+# admission) builds that request's keys the same way; included but never called by enqueue.lua
+# and finish.lua, whose tf_finish the check still follows it into
+_EXPIRED_BUILT = frozenset({"expired_record", "expired_tokens", "expired_channel"})
 KEYS_BUILT_IN_LUA = {
     "enqueue.lua": frozenset(
         {"victim_record", "victim_tokens", "victim_channel", "counted_stream", "tenant_queue"}
         | {"moved_record", "target"}
     )
-    | _TENANT_BUILT,
-    "worker_pull.lua": _TENANT_BUILT
-    | {"active", "backlog", "expired_record", "expired_tokens", "expired_channel"},
+    | _TENANT_BUILT
+    | _EXPIRED_BUILT,
+    "worker_pull.lua": _TENANT_BUILT | _EXPIRED_BUILT | {"active", "backlog"},
+    "worker_overflow.lua": _TENANT_BUILT | _EXPIRED_BUILT | {"active", "backlog"},
     # (tf_tenants.lua's admission, included but never called there: the check, by name, cannot
     # tell that its `backlog` parameter only ever holds the callers' KEYS[])
-    "finish.lua": _TENANT_BUILT | {"backlog"},
+    "finish.lua": _TENANT_BUILT | _EXPIRED_BUILT | {"backlog"},
 }
 _INCLUDE_LINE = re.compile(r"^-- @include ([\w.-]+\.lua)[ \t]*$", re.MULTILINE)
 _HEADER = ("-- KEYS", "-- ARGV")

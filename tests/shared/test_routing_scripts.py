@@ -22,7 +22,9 @@ from tokenfleet.shared.prefix_chain import (
 )
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import RequestRecord, as_str
+from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
+from tokenfleet.shared.scripts.cancel import CANCEL, withdraw_keys_args
 from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, RouteTargets, enqueue_keys_args
 from tokenfleet.shared.scripts.worker import STEAL
 from tokenfleet.worker.intake.stealer import STEP_BOUND_CAP, Stealer, step_ms_of
@@ -60,6 +62,17 @@ def _submit(
     rec = RequestRecord.from_hash(rid, r.hgetall(keys.record(rid)))
     assert rec is not None
     return rec
+
+
+def _submit_as(r: redis.Redis, keys: Keys, tenant: str, rid: str, **route: Any) -> None:
+    """Enqueue one request of ``tenant`` with routing on (every live router a candidate)."""
+    item = EnqueueItem(rid, b"{}", None, tenant=tenant, **route)
+    members: Any = r.zrange(keys.routers("default"), 0, -1)
+    names = tuple(as_str(n) or "" for n in members)
+    k, a = enqueue_keys_args(
+        keys, "default", P, [item], now=time.time(), ttl_s=60, route=RouteTargets(names)
+    )
+    assert registry.call(r, ENQUEUE, k, a) == ["ok"]
 
 
 def _next_ms(r: redis.Redis) -> None:
@@ -131,6 +144,61 @@ def test_a_session_is_pinned_and_a_prefix_follows_its_holder(r: redis.Redis, key
     assert _submit(r, keys, "r4", chain=chain).route == "prefix:2"
     assert _submit(r, keys, "r5").route == "shared"  # no session, no chain
     assert r.xlen(keys.stream("default", P)) == 1
+
+
+def test_a_tenant_queued_request_keeps_its_route_and_is_admitted_into_its_workers_stream(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """With tenants waiting, the route is chosen at enqueue and kept with the tenant-queue
+    entry; admission (the enqueue's, another worker's pull) puts it in that worker's routed
+    stream while the worker is a target, else in the shared stream."""
+    _live(r, keys, "wa", "wb")
+    pull_b = PriorityStreams(
+        r, keys, model_name="default", priorities=[P], worker_name="wb", starvation_pulls=4
+    )
+    pull_b.ensure_groups()
+    r.sadd(keys.prefixes("wa"), *CHAIN)
+    _submit_as(r, keys, "acme", "a1", chain=CHAIN)  # admitted at once: nothing else waits
+    tq = keys.tenant_queue("default", P, "acme")
+    routed_a = keys.routed("default", P, "wa")
+    assert r.xlen(tq) == 0 and r.xlen(routed_a) == 1
+    rec = RequestRecord.from_hash("a1", r.hgetall(keys.record("a1")))
+    assert rec is not None and (rec.route, rec.routed_to) == ("prefix:2", "wa")
+    _submit_as(r, keys, "acme", "a2", chain=CHAIN)  # admitted at once too (shared: empty)
+    assert r.xlen(tq) == 0 and r.xlen(routed_a) == 2
+    _submit_as(r, keys, "beta", "b1")  # no route: admitted into the shared stream
+    shared = keys.stream("default", P)
+    assert r.xlen(shared) == 1
+    _submit_as(r, keys, "acme", "a3", chain=CHAIN)  # waits in its tenant queue, route kept
+    waiting: Any = r.xrange(tq)
+    (entry,) = waiting
+    assert (entry[1][b"r"], entry[1][b"rt"]) == (b"wa", b"prefix:2")
+    assert r.hget(keys.record("a3"), "routed_to") is None  # (set when it is admitted)
+    got = pull_b.pull(1)  # wb's pull: a3 into wa's routed stream, b1 read from the shared one
+    assert [as_str(e.fields["id"]) for e in got] == ["b1"]
+    assert r.xlen(tq) == 0 and r.xlen(routed_a) == 3
+    rec = RequestRecord.from_hash("a3", r.hgetall(keys.record("a3")))
+    assert rec is not None and (rec.route, rec.routed_to) == ("prefix:2", "wa")
+    routed: Any = r.xrange(routed_a)
+    assert as_str(r.hget(keys.record("a3"), "stream_id")) == as_str(routed[-1][0])
+    # a cancelled admitted routed request leaves the routed stream, as any routed one does
+    event = TerminalEvent("a3", TerminalStatus.CANCELLED, message="x")
+    k, a = withdraw_keys_args(
+        keys, event, model="default", priority=P, now=time.time(), ttl_s=60, routed_to="wa"
+    )
+    assert registry.call(r, CANCEL, k, a) == ["ok"]
+    assert r.xlen(routed_a) == 2
+    # its worker dies while a request routed to it waits: admitted into the shared stream
+    _submit_as(r, keys, "beta", "b2")  # (admitted: something undelivered in the shared stream)
+    _submit_as(r, keys, "acme", "a4", chain=CHAIN)
+    waiting = r.xrange(tq)
+    assert waiting[0][1][b"r"] == b"wa"
+    r.zadd(keys.routers("default"), {"wa": time.time() - 1})
+    got = pull_b.pull(4)
+    assert [(as_str(e.fields["id"]), e.stream) for e in got] == [("b2", shared), ("a4", shared)]
+    rec = RequestRecord.from_hash("a4", r.hgetall(keys.record("a4")))
+    assert rec is not None and (rec.route, rec.routed_to, rec.status) == ("shared", "", "queued")
+    assert r.xlen(routed_a) == 2  # (a1, a2: wa's, for stealers and claimers as before)
 
 
 def test_dead_or_overloaded_workers_are_not_targets(r: redis.Redis, keys: Keys) -> None:

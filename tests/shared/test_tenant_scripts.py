@@ -244,3 +244,45 @@ def test_a_handback_keeps_the_tenant_and_charges_nothing(r: redis.Redis, keys: K
     assert (again.tenant, again.prompt_tokens, again.fields.get("h")) == ("acme", 10, b"1")
     assert vt(r, keys, "acme") == charged
     assert int(r.hget(keys.tenant_book(MODEL), "admitted|acme") or 0) == 1
+
+
+def _redis_ms(r: redis.Redis) -> int:
+    seconds, micros = r.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_an_overflow_worker_admits_aged_tenant_heads_fairly_and_takes_them(
+    r: redis.Redis, keys: Keys
+) -> None:
+    """An overflow worker's take (``OVERFLOW``, worker_overflow.lua) also admits, least virtual
+    time first and charged as any admission, the tenant-queued requests whose queue's head has
+    waited its threshold, and takes them in the same call; younger heads stay where they are."""
+    from waiting import wait_for
+
+    from tokenfleet.worker.intake.stealer import Stealer
+
+    after_ms = 300
+    s = streams(r, keys, "ov")
+    overflow = Stealer(r, s, steal_after_ms=after_ms, overflow=True)
+    enqueue(r, keys, "acme", ["a1", "a2", "a3"])  # a1 admitted at once (nothing waited)
+    enqueue(r, keys, "beta", ["b1"])
+    assert overflow.steal(10) == []  # nothing has waited 300 ms yet
+    assert r.xlen(keys.tenant_queue(MODEL, NORMAL, "acme")) == 2
+    since = _redis_ms(r)
+    wait_for(lambda: _redis_ms(r) - since > after_ms, "Redis's clock to pass the threshold")
+    enqueue(r, keys, "young", ["y1"])  # its head has not waited
+    before = {t: vt(r, keys, t) for t in ("acme", "beta")}
+    taken = overflow.steal(10)
+    # a1 (admitted, as old as its enqueue), then by virtual time: acme 10 and beta lifted to 10
+    # (a tie: by name), acme 20 against beta 10, then a tie again
+    assert [as_str(e.fields["id"]) for e in taken] == ["a1", "a2", "b1", "a3"]
+    assert {e.stream for e in taken} == {keys.stream(MODEL, NORMAL)}
+    assert all(e.route == "overflow:ov" for e in taken)
+    assert (vt(r, keys, "acme"), vt(r, keys, "beta")) == (before["acme"] + 20, before["beta"] + 10)
+    assert r.xlen(keys.tenant_queue(MODEL, NORMAL, "young")) == 1
+    assert r.xlen(keys.tenant_queue(MODEL, NORMAL, "acme")) == 0
+    assert not r.zscore(keys.tenants_active(MODEL, NORMAL), "acme")
+    assert as_str(r.hget(keys.record("a3"), "stream_id")) == taken[-1].entry_id
+    pending: Any = r.xpending_range(keys.stream(MODEL, NORMAL), CONSUMER_GROUP, "-", "+", 10)
+    assert {as_str(p["consumer"]) for p in pending} == {"ov"}
+    assert overflow.steal(10) == []  # y1 still young

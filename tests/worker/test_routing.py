@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 from thread_worker import ThreadWorker
@@ -155,6 +156,103 @@ def test_a_sessions_turns_stay_on_its_worker_and_a_shared_prefix_follows_its_hol
     assert fleet.done(fourth.request_id).route == "shared"
 
 
+def _prefix_hits(w: WorkerProc | ThreadWorker) -> float:
+    """Prompt tokens the worker's engine served from its prefix cache (its metric)."""
+    assert isinstance(w, ThreadWorker)
+    m = w.service.metrics
+    return (
+        m.registry.get_sample_value(
+            "tokenfleet:prefix_cache_hit_tokens_total", {"model_name": "default"}
+        )
+        or 0.0
+    )
+
+
+def test_with_tenants_waiting_a_session_and_a_shared_prefix_still_go_to_their_holder(
+    fleet: Fleet,
+) -> None:
+    """Requests that wait in tenant queues (docs/fairness.md) keep the route chosen when they
+    were enqueued: admitted, they run on the worker holding their history, whose engine serves
+    their prompt from its prefix cache; a killed holder loses none of them."""
+    fleet.start("fa")
+    fleet.start("fb")
+    c, r, keys = fleet.client, fleet.r, fleet.keys
+    first = c.submit(messages=_turn("hi"), max_tokens=4, metadata={"session": "t"}, tenant="acme")
+    rec1 = fleet.done(first.request_id)
+    assert rec1.route == "session" and rec1.routed_to in ("fa", "fb")
+    home = rec1.routed_to
+    other = "fb" if home == "fa" else "fa"
+    assert r.hget(keys.record(first.request_id), "tenant") == b"acme"  # (its tenant queue's)
+    convo = _turn("hi", "hello", "more")
+    router = build_route_tokenizer(r.hgetall(keys.route_tokenizer("default")), "default")  # type: ignore[arg-type]
+    assert router is not None
+    hits_before = _prefix_hits(fleet.workers[home])
+    second = c.submit(messages=convo, max_tokens=4, metadata={"session": "t"}, tenant="acme")
+    rec2 = fleet.done(second.request_id)
+    assert (rec2.route, rec2.routed_to, rec2.ran_on) == ("session", home, home)
+    assert r.hget(keys.record(second.request_id), "tenant") == b"acme"
+    assert _prefix_hits(fleet.workers[home]) > hits_before  # the first turn's blocks, reused
+    held = router.chain(messages=convo)
+    fleet.holds(home, held)
+    # another tenant, no session, the same history: the prefix's holder runs it
+    later = [*convo, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    hits_before = _prefix_hits(fleet.workers[home])
+    third = c.submit(messages=later, max_tokens=4, tenant="globex")
+    rec3 = fleet.done(third.request_id)
+    assert rec3.route.startswith("prefix:") and int(rec3.route.partition(":")[2]) >= 3
+    assert (rec3.routed_to, rec3.ran_on) == (home, home)
+    assert r.hget(keys.record(third.request_id), "tenant") == b"globex"
+    assert _prefix_hits(fleet.workers[home]) > hits_before
+    assert not r.smismember(keys.prefixes(other), list(held))[-1]  # (only home held it)
+
+
+def test_with_tenants_waiting_routed_work_of_a_killed_worker_is_not_lost(fleet: Fleet) -> None:
+    """Requests of two tenants routed (session) to a worker that is SIGKILLed, some running,
+    some admitted into its routed stream, some still in their tenant queues: all end done,
+    gap-free, each counted once in the tenant book."""
+    fleet.start("xa", "--max-num-seqs", "1", process=True)
+    fleet.start("xb", "--max-num-seqs", "1", process=True)
+    c, r, keys = fleet.client, fleet.r, fleet.keys
+    params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
+    handles = [
+        c.submit(
+            messages=_turn(f"n{i}"),
+            metadata={"session": "x"},
+            tenant=("acme", "globex")[i % 2],
+            **params,
+        )
+        for i in range(6)
+    ]
+    rids = [h.request_id for h in handles]
+
+    def home_running() -> str | None:
+        for rid in rids:
+            rec = record(r, keys, rid)
+            if rec and rec.status == "running" and rec.routed_to and rec.num_tokens >= 2:
+                return rec.routed_to if rec.worker == rec.routed_to else None
+        return None
+
+    home = wait_for(home_running, "a routed request running on its worker", poll_s=0.005)
+    victim = fleet.workers[home]
+    assert isinstance(victim, WorkerProc)
+    victim.signal(signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    served = 0
+    for h in handles:
+        rec = fleet.done(h.request_id)
+        events = [e.index for e in h.stream() if isinstance(e, TokenEvent)]
+        assert events == list(range(40)), h.request_id  # gap-free, duplicate-free, complete
+        assert rec.num_tokens == 40
+        usage = orjson.loads(r.hget(keys.record(h.request_id), "usage") or b"{}")
+        served += int(usage["prompt_tokens"]) + rec.num_tokens
+    book = {as_str(k): as_str(v) or "" for k, v in r.hgetall(keys.tenant_book("default")).items()}
+    admitted = int(book.get("admitted|acme") or 0) + int(book.get("admitted|globex") or 0)
+    assert admitted == len(rids)  # each admitted once, whoever took it after the kill
+    assert int(book["served|acme"]) + int(book["served|globex"]) == served  # counted once
+    routed = [record(r, keys, rid) for rid in rids]
+    assert any(rec is not None and rec.routed_to == home for rec in routed)
+
+
 def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet) -> None:
     fleet.start("sa", "--max-num-seqs", "1")
     fleet.start("sb", "--max-num-seqs", "1")
@@ -280,6 +378,27 @@ def test_the_overflow_pool_takes_only_aged_work(fleet: Fleet) -> None:
         else:
             assert r.ran_on == "ob", r
     assert 1 <= by_pool < len(handles)
+
+
+def test_the_overflow_pool_works_through_tenant_queues_fairly(fleet: Fleet) -> None:
+    """With tenants waiting and no regular worker, an overflow worker admits (fairly, charged)
+    and runs every request once its tenant queue's head has waited past the threshold: none is
+    left in a tenant queue, none starts before its threshold."""
+    after_s = 1.0
+    fleet.start("op", "--overflow-for", "default", "--overflow-after-s", str(after_s), target=False)
+    c, r, keys = fleet.client, fleet.r, fleet.keys
+    handles = [
+        c.submit(f"prompt {i}", max_tokens=3, tenant=("acme", "beta")[i % 2]) for i in range(6)
+    ]
+    assert r.xlen(keys.tenant_queue("default", Priority.NORMAL, "acme")) >= 2  # (they wait)
+    for h in handles:
+        rec = fleet.done(h.request_id)
+        assert (fleet.taken(h.request_id), rec.ran_on) == ("overflow:op", "op")
+        assert rec.started_at is not None and rec.enqueued_at is not None
+        assert rec.started_at - rec.enqueued_at >= after_s - 0.01  # (stream id ms vs record's s)
+    book = {as_str(k): as_str(v) or "" for k, v in r.hgetall(keys.tenant_book("default")).items()}
+    assert (book["admitted|acme"], book["admitted|beta"]) == ("3", "3")
+    assert float(book["vt|acme"]) > 0 and float(book["vt|beta"]) > 0
 
 
 def test_with_routing_cancel_deadlines_and_drop_oldest_still_hold(fleet: Fleet) -> None:

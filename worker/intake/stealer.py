@@ -12,9 +12,11 @@ started, acked, claimed if it dies, handed back (to the shared stream) like any 
 routed and why) and pins the request's session, if it has one, to this worker: the turn's
 history is here now, so the session's next turn should come here (``Starter.session_to_repin``).
 
-Overflow pool (``--overflow-for``): the same script over the model's shared streams as well,
-with the overflow threshold as the age: such a worker takes only work that has waited that long
-(``overflow=True``), and reads nothing else.
+Overflow pool (``--overflow-for``): the ``OVERFLOW`` script over the model's shared streams as
+well, with the overflow threshold as the age (counted from the request's enqueue): such a worker
+takes only work that has waited that long (``overflow=True``), and reads nothing else. Where
+tenants wait (docs/fairness.md), the same call admits requests whose tenant queue's head has
+waited that long, the least virtual time first, and takes them.
 
 The bound adapts to the target worker's pace: a worker reads new work at the end of every engine
 step, so a routed entry that arrives mid-step waits for that step whatever the target's room. A
@@ -38,7 +40,7 @@ from tokenfleet.shared.keys import CONSUMER_GROUP
 from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.scripts import registry
-from tokenfleet.shared.scripts.worker import STEAL
+from tokenfleet.shared.scripts.worker import OVERFLOW, STEAL
 from tokenfleet.worker.intake.jobs import Entry
 from tokenfleet.worker.intake.streams import PriorityStreams
 
@@ -130,12 +132,25 @@ class Stealer:
         caps = self.streams.caps
         for stream, p, _ in targets:
             self.streams.note_stream(stream, p)
-        args: list[str | int] = [CONSUMER_GROUP, self.streams.worker_name, budget]
+        args: list[str | int | bytes] = [CONSUMER_GROUP, self.streams.worker_name, budget]
         args.append(self.steal_after_ms)
+        if self.overflow:
+            args.append(len(targets))
         args += [caps.get(p, -1) for _, p, _ in targets]
         args += [p.label for _, p, _ in targets]
         args += [age for _, _, age in targets]
-        reply = registry.call(self.client, STEAL, [s for s, _, _ in targets], args)
+        keys = [s for s, _, _ in targets]
+        if self.overflow:  # (tenant queues: admitted when their head waited that long)
+            s = self.streams
+            shared = [p for stream, p, _ in targets if stream == s.stream_of[p]]
+            args += [
+                s.tenant_queue_of[p] if stream == s.stream_of[p] else "" for stream, p, _ in targets
+            ]
+            args += [*s.record_template, *s.expiry_args()]
+            keys += [k for p in shared for k in (s.active_of[p], s.backlog_of[p])]
+            keys += [s.book, self.keys.cancel_set, self.keys.tally]
+        script = OVERFLOW if self.overflow else STEAL
+        reply = registry.call(self.client, script, keys, args)
         entries = self.streams.entries(reply[1:])
         note = f"{'overflow' if self.overflow else 'stolen_by'}:{self.streams.worker_name}"
         for entry in entries:

@@ -70,8 +70,10 @@ class PriorityStreams:
         self.active_of = {p: keys.tenants_active(model_name, p) for p in self.priorities}
         self.backlog_of = {p: keys.tenant_backlog(model_name, p) for p in self.priorities}
         self.book = keys.tenant_book(model_name)
+        # a routed stream's name before its worker's (what PULL's admission routes into)
+        self._routed_before = {p: keys.routed(model_name, p, "") for p in self.priorities}
         before, _, after = keys.record("\0").partition("\0")
-        self._record_template = (before, after)
+        self.record_template = (before, after)
         # what PULL needs to end a request it meets past its deadline at admission
         self.record_ttl_s = record_ttl_s
         self._expiry_args = expiry_args(keys)
@@ -161,16 +163,24 @@ class PriorityStreams:
                 len(keys),
                 *caps,
                 *levels,
-                *self._record_template,
+                *self.record_template,
             ]
             for p in order:  # (routed: no tenant queues; shared: its tenant queues' name)
                 args += ["", self.tenant_queue_of[p]]
             keys += [k for p in order for k in (self.active_of[p], self.backlog_of[p])]
             keys += [self.book, self.keys.cancel_set, self.keys.tally]
-            now = repr(time.time())
-            args += [now, self.record_ttl_s, self.keys.publish_command, *self._expiry_args]
+            keys += [self.keys.routers(self.model_name), self.keys.route_load(self.model_name)]
+            args += self.expiry_args()
+            for p in order:  # (shared: where its admitted requests may be routed)
+                args += ["", self._routed_before[p]]
             pipe.script(PULL, keys, args, raise_errors=False)  # NOGROUP: see parse_pull
         return order
+
+    def expiry_args(self) -> list[str | int | bytes]:
+        """What ``PULL`` (and an overflow worker's ``OVERFLOW``) needs to end a request it meets
+        past its deadline at admission: now, the record TTL, the publish command, then
+        ``enqueue.expiry_args``."""
+        return [repr(time.time()), self.record_ttl_s, self.keys.publish_command, *self._expiry_args]
 
     def parse_pull(self, order: Sequence[Priority], reply: Any) -> list[Entry]:
         """Entries of a ``PULL`` reply; updates the anti-starvation counts. A reply that is a
