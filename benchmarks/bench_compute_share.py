@@ -27,12 +27,13 @@ import argparse
 import multiprocessing as mp
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures, run_command
 
 HISTORY = Path(__file__).with_name("HISTORY.md")
 HEADLINE_KEYS = ("compute-share",)  # its row in benchmarks/RESULTS.md
@@ -219,7 +220,7 @@ def main() -> int:
         shared = run(server.url, model_dir, pair, {**args, "pool": True})
         client.close()
 
-    command = "python benchmarks/bench_compute_share.py"
+    command = run_command(sys.argv)  # the HISTORY section's, as the headline row's
     lines = [
         f"## Compute share: two members on one CPU core ({time.strftime('%Y-%m-%d')})",
         "",

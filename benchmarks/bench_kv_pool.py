@@ -29,6 +29,7 @@ import math
 import platform
 import random
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ import redis
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.priority import Priority
-from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
+from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures, run_command
 from tokenfleet.worker.devtools.local_redis import RedisServer
 from tokenfleet.worker.pool.admin import create_pool
 from tokenfleet.worker.pool.chunking import plan_blocks
@@ -299,9 +300,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     add_record_flag(parser)
     args = parser.parse_args()
-    command = "python benchmarks/bench_kv_pool.py" + (
-        f" --seconds {args.seconds:g}" if args.seconds != 15.0 else ""
-    )
+    command = run_command(sys.argv)  # the HISTORY section's, as the headline row's
     scenarios = [
         ("equal", [1.0, 1.0, 1.0, 1.0]),
         ("weighted", [1.0, 2.0, 3.0, 4.0]),

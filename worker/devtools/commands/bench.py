@@ -208,7 +208,6 @@ PLAN: tuple[Benchmark, ...] = (
         ("--rounds", "4"),
         ("fairness-light-ttft", "fairness-throughput", "fairness-pull-cost"),
         3.0,
-        note="4 paired rounds, not the 12 of the loaded host's study (HISTORY.md)",
     ),
     Benchmark(
         "console",
