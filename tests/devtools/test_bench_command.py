@@ -40,7 +40,7 @@ def test_bench_all_runs_every_script_and_fails_if_one_failed(
         code = 3 if script == bench.BY_NAME["decode"].script else 0
         (folder / script).write_text(  # a run appends its arguments and environment to `ran`
             "import os, sys\nif __name__ == '__main__':\n"
-            f"    planned = os.environ[{bench_table.PLANNED_ENV!r}]\n"
+            f"    planned = os.environ.get({bench_table.PLANNED_ENV!r}, '-')\n"
             f"    line = ' '.join([{script!r}, *sys.argv[1:], '|', planned,"
             f" os.environ.get({bench_table.RESULTS_ENV!r}, '-')])\n"
             f"    open({str(ran)!r}, 'a').write(line + '\\n')\n    sys.exit({code})\n"
@@ -69,6 +69,14 @@ def test_bench_all_runs_every_script_and_fails_if_one_failed(
     assert summary[-1].split() == ["elsewhere", "0m00s", "skipped:", "no", "GPU"]
     assert cli.main(["bench", "all", "--", "--rounds", "3"]) == 2
     assert "takes no script arguments" in capsys.readouterr().err
+    # one run: its planned arguments, or those after -- instead; nothing planned, no --record
+    ran.write_text("")
+    assert cli.main(["bench", "engine-200"]) == 0
+    assert cli.main(["bench", "engine-200", "--", "--rounds", "1"]) == 0
+    assert ran.read_text().splitlines() == [
+        "bench_engine_workload.py --threads 2 --rate 200 | - -",
+        "bench_engine_workload.py --rounds 1 | - -",
+    ]
 
 
 def test_every_headline_row_is_refreshed_by_make_bench_or_says_why_not() -> None:
