@@ -35,10 +35,10 @@
 -- Tenants (docs/fairness.md, tf_tenants.lua): before the first stream of a level whose queue
 -- has active tenants is read, requests are admitted from its tenant queues (the least virtual
 -- time first) into its shared stream, or into the routed stream of the worker each was routed
--- to (tt_admit), until this worker's streams of the level hold one more undelivered entry than
--- the read takes; the one left over wakes a worker blocked on the shared stream, whose own pull
--- admits the rest (and a request routed to another worker wakes that one). A queue with no
--- active tenant costs one ZCARD and is read as without tenants. A request met at admission with
+-- to (tt_admit), until the shared stream and what went to this worker's routed stream hold one
+-- more undelivered entry than the read takes; the one left over wakes a worker blocked on the
+-- shared stream, whose own pull admits the rest (and a request routed to another worker wakes
+-- that one). A queue with no active tenant costs one ZCARD and is read as without tenants. A request met at admission with
 -- its deadline passed is ended "expired" here (tf_finish), neither admitted nor charged.
 -- @include tf_finish.lua
 -- @include tf_route.lua
@@ -51,11 +51,8 @@ local level_cap = {}
 local rec_pre, rec_suf = ARGV[5 + 2 * n], ARGV[6 + 2 * n]
 local fair = 0
 local tenanted = {}  -- level -> {i = its shared stream's index, j = its tenant keys' number}
-local own = {}  -- level -> the indices of its streams (what this worker reads of it)
 for i = 1, n do
   local level = ARGV[4 + n + i] or tostring(i)
-  own[level] = own[level] or {}
-  table.insert(own[level], i)
   local tq = ARGV[6 + 2 * n + i]
   if tq and tq ~= '' then
     fair = fair + 1
@@ -72,15 +69,16 @@ local function expire(queue, rid)
             ARGV[1])
 end
 
--- Admit into `level`'s streams from its tenant queues: up to one more than `count` undelivered
--- in this worker's streams of the level (what it reads next)
+-- Admit into `level`'s streams from its tenant queues: until its shared stream, with what went
+-- into this worker's routed stream (read first), holds one more than `count` undelivered (an
+-- undelivered entry already in the routed stream is not counted: a one-entry XINFO less per
+-- pull; what it leaves in the shared stream is the next pull's)
 local function admit(level, count)
   local t = tenanted[level]
   if not t then return end
   local active, backlog = KEYS[n + 2 * t.j - 1], KEYS[n + 2 * t.j]
   if redis.call('ZCARD', active) == 0 then return end
-  local need = count + 1
-  for _, i in ipairs(own[level]) do need = need - tt_undelivered(KEYS[i], ARGV[1]) end
+  local need = count + 1 - tt_undelivered(KEYS[t.i], ARGV[1])
   if need <= 0 then return end
   local rt = nil  -- routing at admission (tt_routed)
   local routed = ARGV[16 + 3 * n + t.i]
