@@ -201,6 +201,12 @@ def main() -> int:
         unshared = run(server.url, model_dir, pair, {**args, "pool": True})
         client.flushdb()
         pair_rate = unshared["light"][0] + unshared["heavy"][0]
+        if pair_rate <= 0 or rate <= 0:
+            # A window shorter than one engine step measures nothing: say so, not ZeroDivisionError.
+            raise SystemExit(
+                f"bench_compute_share: no tokens in a {a.seconds} s window (alone {rate:.0f}, "
+                f"pair {pair_rate:.0f} tokens/s); run longer windows (--seconds)"
+            )
         budget = max(1, round(pair_rate * a.round_ms / 1000 * a.budget_factor))
         print(f"pair: {pair_rate:.0f} tokens/s -> {budget} tokens per {a.round_ms} ms", flush=True)
 
