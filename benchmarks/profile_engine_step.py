@@ -11,6 +11,7 @@ real call (module forward hooks, wrapped methods), so the split adds a few micro
 to what it measures; the total is also measured without any hook, and the table gives both.
 
     .venv/bin/python benchmarks/profile_engine_step.py --model smollm2 --threads 1
+    .venv/bin/python benchmarks/profile_engine_step.py --requests 1 --quantization auto  # batch 1
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def instrument(engine: Any, clock: Clock) -> None:
     clock.hook("LM head", model.lm_head)
     for layer in model.model.layers:
         attn = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            clock.hook("q/k/v/o projections", getattr(attn, name))
+        for name in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"):  # fused or not
+            if hasattr(attn, name):
+                clock.hook("q/k/v/o projections", getattr(attn, name))
         clock.hook("MLP", layer.mlp)
 
 
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-batched-tokens", type=int, default=512)
+    parser.add_argument(
+        "--quantization", default="none", help="none | int8 | int4 | auto (the engine's setting)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from tokenfleet.worker.engine.engine import Engine, EngineConfig
@@ -124,6 +129,7 @@ def main() -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         kv_memory_bytes=1 << 30,
+        quantization=args.quantization,
         seed=0,
     )
     plain = Engine(folder, config)
@@ -158,11 +164,14 @@ def main() -> None:
         ),
     ]
     accounted = sum(v for _, v in parts)
+    report: Any = getattr(plain.runner, "quantization", None)
+    quantized = report.describe() if report is not None else "none"
     parts.append(("rest of step() (stats, outputs, Python)", total_s - accounted))
     print(
         f"\nengine step profile: {args.model}, {len(wl.requests)} chat requests at once, "
         f"{wl.num_prompt_tokens} prompt + {wl.num_output_tokens} output tokens, "
-        f"{args.threads} thread(s); {steps} steps, {tokens} tokens"
+        f"{args.threads} thread(s), quantization {quantized}; "
+        f"{steps} steps, {tokens} tokens"
     )
     print(
         f"step time without hooks {bare_s:.2f} s ({1000 * bare_s / steps:.1f} ms/step, "

@@ -22,6 +22,7 @@ from tokenfleet.worker.engine.model_runner import ModelRunner
 from tokenfleet.worker.engine.quantization import (
     SOURCE_FILE,
     Int4Linear,
+    Int8Head,
     Int8Linear,
     file_precision,
     kernels_available,
@@ -81,6 +82,38 @@ def test_int8_product_is_close_to_float() -> None:
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+def test_the_int8_head_serves_few_rows_and_the_float_head_many() -> None:
+    gen = torch.Generator().manual_seed(2)
+    linear = nn.Linear(64, 200, bias=True)
+    linear.weight.data = torch.randn(200, 64, generator=gen)
+    head = Int8Head(linear, max_rows=4, exact_top=8, margin=0.0)
+    assert head.float_head is linear  # the float weights are kept (often tied), not copied
+    few, many = torch.randn(1, 4, 64, generator=gen), torch.randn(1, 5, 64, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(head(many), linear(many))  # enough rows: the float head itself
+        got, want = head(few), linear(few)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert head.num_float_rows == 0
+    assert not torch.equal(got, want)  # few rows: the int8 weights ...
+    assert (got - want).abs().max() < 0.02 * want.abs().max()  # ... of the same head,
+    top = got.topk(8, dim=-1).indices  # and the candidates recomputed in float32
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=1e-5, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_the_int8_head_hands_unsure_rows_to_the_float_head() -> None:
+    """A row whose best recomputed logit is not ``margin`` above the int8 candidates left out
+    is computed whole in float32."""
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(64, 200, bias=False)
+    linear.weight.data = torch.randn(200, 64, generator=gen)
+    head = Int8Head(linear, max_rows=4, exact_top=8, margin=1e9)
+    x = torch.randn(3, 64, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), linear(x), atol=1e-5, rtol=0)
+    assert head.num_float_rows == 3
+
+
 def test_gguf_types_map_to_modes() -> None:
     assert [mode_for_gguf_type(t) for t in ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL")] == ["int4"] * 4
     assert [mode_for_gguf_type(t) for t in ("Q8_0", "Q6_K", "Q5_1")] == ["int8"] * 3
@@ -128,8 +161,11 @@ def test_a_tiny_model_runs_quantized(tiny_llama_dir: Path, mode: str) -> None:
     report = runner.quantization
     assert (report.applied, report.num_quantized, report.num_skipped) == (mode, 4 * 7, 0)
     layer = runner.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, Int4Linear if mode == "int4" else Int8Linear)
-    assert isinstance(runner.model.lm_head, nn.Linear)  # the LM head stays as loaded
+    # q/k/v and gate/up fused (fusion.py), then quantized; 28 counts the layers they join
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear if mode == "int4" else Int8Linear)
+    assert isinstance(layer.mlp.gate_up_proj, Int4Linear if mode == "int4" else Int8Linear)
+    assert isinstance(runner.model.lm_head, Int8Head)  # the LM head as int8, float kept
+    assert report.head == "int8"
     tokens = [5, 17, 99, 3, 42, 7]
     got, want = last_logits(runner, tokens), last_logits(ref, tokens)
     assert not torch.equal(got, want)  # really another computation ...
@@ -166,7 +202,8 @@ def test_a_model_that_cannot_run_int4_falls_back_with_one_line(
     assert "in_features % 32" in lines[0] and "running its weights as loaded" in lines[0]
     assert runner.quantization.applied == "none"
     assert runner.quantization.describe() == "none (fallback)"
-    assert isinstance(runner.model.model.layers[0].mlp.up_proj, nn.Linear)
+    assert type(runner.model.model.layers[0].mlp.gate_up_proj) is nn.Linear
+    assert type(runner.model.lm_head) is nn.Linear and runner.quantization.head == "as loaded"
     assert torch.isfinite(last_logits(runner, [1, 2, 3])).all()  # and it still serves
 
 

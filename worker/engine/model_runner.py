@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
+from tokenfleet.worker.engine.fusion import fuse_projections
 from tokenfleet.worker.engine.kv_sizing import DEFAULT_KV_TOKENS, kv_pool_blocks
 from tokenfleet.worker.engine.paged_attention import (
     ATTN_IMPLEMENTATION,
@@ -160,6 +161,7 @@ class ModelRunner:
             ) from exc
         self.model: Any = hf_model.to(self.device).eval()
         self.config = self.model.config
+        self.fused = fuse_projections(self.model)
         self.quantization = quantize_model(self.model, quantization, self.device, source=model)
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)
