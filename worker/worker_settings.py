@@ -200,8 +200,11 @@ class WorkerSettings:
         None,
         env="TOKENFLEET_THREADS",
         flag="--threads",
-        shown_default="torch's",
-        help="torch CPU threads (torch.set_num_threads)",
+        shown_default="the CPUs it may use",
+        help="torch CPU threads (torch.set_num_threads); by default the CPUs this process may "
+        "use: its affinity mask, capped by a container's CPU quota (cgroup cpu.max). Several "
+        "workers on one machine: cores / workers each",
+        see=("Workers", "workers.md"),
     )
     grace_s: float = setting(
         30.0,

@@ -45,10 +45,11 @@ def func(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if ws.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(ws.threads)
+    from tokenfleet.worker.cpu_threads import usable_cpus
+
+    torch.set_num_threads(ws.threads or usable_cpus())  # a container's CPU limit, not the node's
     from tokenfleet.worker.engine.engine import Engine
     from tokenfleet.worker.engine.model_runner import UnsupportedModel
     from tokenfleet.worker.models.errors import EXIT_MODEL_UNAVAILABLE, ModelFileError
