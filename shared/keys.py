@@ -225,14 +225,16 @@ class Keys:
 
     def tenant_book(self, model: str) -> str:
         """Hash: per tenant T of model's queues, ``vt|T`` (virtual time: tokens served /
-        weight), ``w|T`` (weight), ``max|T`` (own bound), ``served|T`` (prompt + output tokens
-        of its ended requests), ``admitted|T`` (requests admitted from its tenant queues)."""
+        weight), ``w|T`` (weight), ``max|T`` (own bound; "" or absent: none), ``at|T`` (when
+        those two were set: ``TenantSettings.at``), ``served|T`` (prompt + output tokens of its
+        ended requests), ``admitted|T`` (requests admitted from its tenant queues)."""
         return f"{self.root}:tbook:{model}"
 
     @property
     def tenants(self) -> str:
         """Hash (the fleet's): tenant -> JSON settings (``weight``, ``max_waiting``) set by
-        ``tokenfleet tenants set``; copied into each model's :meth:`tenant_book`."""
+        ``tokenfleet tenants set``; copied into each known model's :meth:`tenant_book`, and
+        into a later model's by its producers' enqueue (docs/fairness.md)."""
         return f"{self.fleet_root}:tenants"
 
     # -- one request's record, tokens and channel; the cancel set ----------------------------------
