@@ -206,6 +206,45 @@ def test_with_tenants_waiting_a_session_and_a_shared_prefix_still_go_to_their_ho
     assert not r.smismember(keys.prefixes(other), list(held))[-1]  # (only home held it)
 
 
+def test_behind_another_tenants_backlog_a_turn_still_goes_to_its_sessions_worker(
+    fleet: Fleet,
+) -> None:
+    """A tenant floods both workers (two slots each, stealing out of the way) while a session's
+    next turn and a request sharing its history arrive from other tenants: fair admission, by
+    the enqueue or by a worker's pull, puts each into the routed stream of the worker holding
+    the history, which runs it from its prefix cache."""
+    flags = ("--max-num-seqs", "2", "--steal-after-s", "60")
+    fleet.start("ga", *flags)
+    fleet.start("gb", *flags)
+    c, r, keys = fleet.client, fleet.r, fleet.keys
+    first = c.submit(messages=_turn("hi"), max_tokens=4, metadata={"session": "g"}, tenant="acme")
+    home = fleet.done(first.request_id).routed_to
+    assert home in ("ga", "gb")
+    flood = c.submit_many(
+        [
+            {"prompt": f"filler {i}", "max_tokens": 40, "ignore_eos": True, "tenant": "beta"}
+            for i in range(10)
+        ]
+    )
+    assert r.zcard(keys.tenants_active("default", Priority.NORMAL)) >= 1  # beta waits
+    hits_before = _prefix_hits(fleet.workers[home])
+    convo = _turn("hi", "hello", "more")
+    second = c.submit(messages=convo, max_tokens=4, metadata={"session": "g"}, tenant="acme")
+    later = [*convo, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    router = build_route_tokenizer(r.hgetall(keys.route_tokenizer("default")), "default")  # type: ignore[arg-type]
+    assert router is not None
+    rec2 = fleet.done(second.request_id)
+    assert (rec2.route, rec2.routed_to, rec2.ran_on) == ("session", home, home)
+    fleet.holds(home, router.chain(messages=convo))
+    third = c.submit(messages=later, max_tokens=4, tenant="globex")
+    rec3 = fleet.done(third.request_id)
+    assert rec3.route.startswith("prefix:") and (rec3.routed_to, rec3.ran_on) == (home, home)
+    assert _prefix_hits(fleet.workers[home]) > hits_before
+    for h in flood:
+        assert not isinstance(h, Exception)
+        assert fleet.done(h.request_id).route == "shared"  # (no session, nothing held)
+
+
 def test_with_tenants_waiting_routed_work_of_a_killed_worker_is_not_lost(fleet: Fleet) -> None:
     """Requests of two tenants routed (session) to a worker that is SIGKILLed, some running,
     some admitted into its routed stream, some still in their tenant queues: all end done,
