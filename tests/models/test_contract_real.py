@@ -1,94 +1,25 @@
 """Tools and ``n`` as a user meets them: a real ``tokenfleet serve`` (uvicorn), two real workers
-on SmolLM2 (whose chat template does not know tools: the generic tools prompt), the official
-``openai`` SDK. Every call's arguments are validated with ``jsonschema`` against the function's
-``parameters``; a streamed answer is reassembled by the SDK's own stream helper and must equal
-the whole one. ``n`` choices: identical when greedy, distinct and each reproducible alone when
-seeded; cancelled, left or crashed, every choice ends once. The workers' heartbeats are short
-(3 s) so a takeover happens within the test."""
+on SmolLM2 (whose chat template does not know tools: the generic tools prompt; the session's
+fleet, tests/models/real_fleet.py), the official ``openai`` SDK. Every call's arguments are
+validated with ``jsonschema`` against the function's ``parameters``; a streamed answer is
+reassembled by the SDK's own stream helper and must equal the whole one. ``n`` choices:
+identical when greedy, distinct and each reproducible alone when seeded; cancelled, left or
+crashed, every choice ends once. The workers' heartbeats are short (3 s) so a takeover happens
+within the test."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import MODEL_CACHE
+from real_fleet import WORKERS, RealFleet
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
-PREFIX = "tfcontract-real"
-WORKERS = ("contract-a", "contract-b")
-
-
-class Fleet:
-    def __init__(self, url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
-        self.url = url
-        self.procs = procs
-        self.logs = logs
-
-
-@pytest.fixture(scope="module")
-def fleet(
-    redis_server: Any, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Fleet]:
-    logs = tmp_path_factory.mktemp("contract-logs")
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_server.url,
-        "TOKENFLEET_KEY_PREFIX": PREFIX,
-        "TOKENFLEET_MODEL_CACHE": str(MODEL_CACHE),
-    }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = [sys.executable, "-m", "tokenfleet.worker.cli"]
-    timers = ["--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5"]
-    commands = {
-        name: ["worker", "--model", "smollm2", "--name", name, "--threads", "1", *timers]
-        for name in WORKERS
-    }
-    commands["gateway"] = ["serve", "--port", str(port), "--log-level", "warning"]
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    for name, args in commands.items():
-        with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen(
-                [*cli, *args], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-
-        def ready() -> bool:
-            for name, p in procs.items():
-                assert p.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
-            try:
-                models = httpx.get(url + "/models", timeout=2).json()["data"]
-            except httpx.HTTPError:
-                return False
-            return bool(models) and sorted(models[0]["tokenfleet"]["workers"]) == list(WORKERS)
-
-        wait_for(ready, "the workers and the gateway", timeout_s=300.0, poll_s=0.1)
-        yield Fleet(url, procs, logs)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-                p.wait(60)
-
-
-@pytest.fixture(scope="module")
-def sdk(fleet: Fleet) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=fleet.url, api_key="unused", max_retries=0, timeout=600) as c:
-        yield c
 
 
 # -- tools --------------------------------------------------------------------------------------
@@ -308,12 +239,12 @@ def test_n_seeded_choices_differ_and_each_is_reproducible_alone(sdk: openai.Open
         assert alone.choices[0].message.content == texts[i]
 
 
-def _status(fleet: Fleet, rid: str) -> str:
+def _status(fleet: RealFleet, rid: str) -> str:
     record: dict[str, Any] = httpx.get(f"{fleet.url}/requests/{rid}", timeout=10).json()
     return str(record["status"])
 
 
-def test_cancelling_an_n_request_ends_every_choice_once(fleet: Fleet) -> None:
+def test_cancelling_an_n_request_ends_every_choice_once(fleet: RealFleet) -> None:
     body = {
         "model": "default",
         "messages": POEM,
@@ -346,7 +277,7 @@ def test_cancelling_an_n_request_ends_every_choice_once(fleet: Fleet) -> None:
     )
 
 
-def test_a_client_leaving_an_n_stream_cancels_every_choice(fleet: Fleet) -> None:
+def test_a_client_leaving_an_n_stream_cancels_every_choice(fleet: RealFleet) -> None:
     body = {
         "model": "default",
         "messages": POEM,
@@ -377,7 +308,7 @@ def test_n_above_the_limit_is_a_400_naming_n(sdk: openai.OpenAI) -> None:
         assert info.value.param == "n"
 
 
-def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: Fleet) -> None:
+def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: RealFleet) -> None:
     """Runs last: it kills a worker running a choice; the other resumes it."""
     body = {
         "model": "default",
@@ -407,8 +338,7 @@ def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: Fleet) -> N
                 record = httpx.get(f"{fleet.url}/requests/{rid}.0", timeout=30).json()
                 killed = record["worker"]
                 assert killed in WORKERS, record
-                fleet.procs[killed].send_signal(signal.SIGKILL)
-                fleet.procs[killed].wait(30)
+                fleet.workers[killed].kill()  # SIGKILL, reaped
     assert killed is not None and finishes == {0: "length", 1: "length"}
     assert texts[0] == texts[1]  # greedy: the resumed choice goes on exactly as the other
     for i in range(2):

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_real_model_equivalence import MAX_NEW_TOKENS, check_same
+from conftest import MAX_NEW_TOKENS
+from test_real_model_equivalence import check_same
 
 from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.request import SamplingParams
@@ -22,21 +23,14 @@ pytestmark = [
 
 
 def test_engine_on_cuda_equals_hf_on_cpu(
-    smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]]
+    smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 here
     engine = Engine(smollm2_dir, EngineConfig(device="cuda", dtype="float32", seed=0))
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     ties = []
-    for prompt, out in zip(chat_prompts, engine.generate(chat_prompts, greedy), strict=True):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            ref = hf_smollm2.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                max_new_tokens=MAX_NEW_TOKENS,
-            )  # fmt: skip
-        note = check_same(
-            hf_smollm2, prompt, out.token_ids, [int(t) for t in ref[0, len(prompt) :]]
-        )
+    outputs = engine.generate(chat_prompts, greedy)
+    for prompt, out, theirs in zip(chat_prompts, outputs, hf_outputs, strict=True):
+        note = check_same(hf_smollm2, prompt, out.token_ids, theirs)
         ties += [note] if note else []
     assert len(ties) <= 1, ties

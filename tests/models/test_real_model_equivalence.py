@@ -15,23 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import MAX_NEW_TOKENS
 
 from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.request import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
-MAX_NEW_TOKENS = 48
 TIE_TOLERANCE = 1e-3  # logits; fp32 reordering noise here is ~1e-5, real choices are >> 1e-2
-
-
-def hf_greedy(model: Any, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=MAX_NEW_TOKENS
-        )
-    return [int(t) for t in out[0, len(prompt) :]]
 
 
 def check_same(model: Any, prompt: list[int], ours: list[int], theirs: list[int]) -> str:
@@ -52,11 +43,6 @@ def check_same(model: Any, prompt: list[int], ours: list[int], theirs: list[int]
         return f"near-tie at token {k}: top-2 margin {margin:.2e}, gap {gap:.2e}"
     assert len(ours) == len(theirs), f"lengths differ: {len(ours)} vs {len(theirs)}"
     return ""
-
-
-@pytest.fixture(scope="module")
-def hf_outputs(hf_smollm2: Any, chat_prompts: list[list[int]]) -> list[list[int]]:
-    return [hf_greedy(hf_smollm2, p) for p in chat_prompts]
 
 
 def test_real_english_comes_out(smollm2_tokenizer: Any, hf_outputs: list[list[int]]) -> None:

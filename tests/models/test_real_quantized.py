@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import MAX_NEW_TOKENS
 
 from tokenfleet.worker.engine.engine import Engine, EngineConfig
 from tokenfleet.worker.engine.quantization import GROUP_SIZE, Int4Linear, file_precision
@@ -24,7 +25,6 @@ from tokenfleet.worker.engine.request import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
-MAX_NEW_TOKENS = 48
 QUANT_TIE_TOLERANCE = 0.1  # logits; see the module docstring
 
 
@@ -51,7 +51,7 @@ def first_divergence(ours: list[int], theirs: list[int]) -> int | None:
 
 
 def test_greedy_int4_equals_float32_except_near_ties(
-    smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]]
+    smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
     engine = Engine(
         smollm2_dir, EngineConfig(device="cpu", quantization="auto", num_kv_blocks=256, seed=0)
@@ -66,16 +66,7 @@ def test_greedy_int4_equals_float32_except_near_ties(
     outputs = engine.generate(chat_prompts, greedy)  # all eight in one batch
     assert "Paris" in outputs[0].text, outputs[0].text
     same, ties = 0, []
-    for prompt, out in zip(chat_prompts, outputs, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            ref = hf_smollm2.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=MAX_NEW_TOKENS,
-            )
-        theirs = [int(t) for t in ref[0, len(prompt) :]]
+    for prompt, out, theirs in zip(chat_prompts, outputs, hf_outputs, strict=True):
         k = first_divergence(out.token_ids, theirs)
         if k is None:
             same += 1

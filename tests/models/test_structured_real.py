@@ -1,5 +1,6 @@
 """Structured outputs and logprobs as a user meets them: a real ``tokenfleet serve`` (uvicorn),
-two real workers on SmolLM2, the official ``openai`` SDK. Every JSON output is validated with
+two real workers on SmolLM2 (the session's fleet, tests/models/real_fleet.py), the official
+``openai`` SDK. Every JSON output is validated with
 ``jsonschema``; regex outputs must match whole; choices must be in the set; logprobs must equal
 the log-softmax of Hugging Face's own forward pass; a worker SIGKILLed in the middle of a JSON
 answer must still leave a valid answer (the other worker resumes it and re-advances the
@@ -11,16 +12,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,82 +21,11 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import MODEL_CACHE
 from pydantic import BaseModel, Field
+from real_fleet import PREFIX, WORKERS, RealFleet
+from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
-PREFIX = "tfso-real"
-WORKERS = ("so-a", "so-b")
-
-
-def _poll(check: Any, what: str, timeout_s: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
-
-
-class Fleet:
-    def __init__(self, url: str, procs: dict[str, subprocess.Popen[bytes]], logs: Path) -> None:
-        self.url = url
-        self.procs = procs
-        self.logs = logs
-
-
-@pytest.fixture(scope="module")
-def fleet(
-    redis_server: Any, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Fleet]:
-    logs = tmp_path_factory.mktemp("structured-logs")
-    env = {
-        **os.environ,
-        "REDIS_URL": redis_server.url,
-        "TOKENFLEET_KEY_PREFIX": PREFIX,
-        "TOKENFLEET_MODEL_CACHE": str(MODEL_CACHE),
-    }
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cli = [sys.executable, "-m", "tokenfleet.worker.cli"]
-    timers = ["--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5"]
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    commands = {
-        name: ["worker", "--model", "smollm2", "--name", name, "--threads", "1", *timers]
-        for name in WORKERS
-    }
-    commands["gateway"] = ["serve", "--port", str(port), "--log-level", "warning"]
-    for name, args in commands.items():
-        with open(logs / f"{name}.log", "wb") as log:
-            procs[name] = subprocess.Popen(
-                [*cli, *args], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-    url = f"http://127.0.0.1:{port}/v1"
-    try:
-
-        def ready() -> bool:
-            for name, p in procs.items():
-                assert p.poll() is None, (logs / f"{name}.log").read_text()[-3000:]
-            try:
-                models = httpx.get(url + "/models", timeout=2).json()["data"]
-            except httpx.HTTPError:
-                return False
-            return bool(models) and sorted(models[0]["tokenfleet"]["workers"]) == list(WORKERS)
-
-        _poll(ready, "the workers and the gateway")
-        yield Fleet(url, procs, logs)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-                p.wait(60)
-
-
-@pytest.fixture(scope="module")
-def sdk(fleet: Fleet) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=fleet.url, api_key="unused", max_retries=0, timeout=600) as c:
-        yield c
 
 
 def ask(content: str) -> list[Any]:
@@ -292,7 +214,7 @@ def _tokens_of(redis_url: str, request_id: str) -> list[int]:
 
 
 def test_logprobs_equal_hugging_faces_forward(
-    sdk: openai.OpenAI, fleet: Fleet, hf_smollm2: Any, smollm2_tokenizer: Any, redis_server: Any
+    sdk: openai.OpenAI, fleet: RealFleet, hf_smollm2: Any, smollm2_tokenizer: Any
 ) -> None:
     messages = ask("What is the capital of France?")
     r = sdk.chat.completions.create(
@@ -305,7 +227,7 @@ def test_logprobs_equal_hugging_faces_forward(
     )
     content = r.choices[0].logprobs and r.choices[0].logprobs.content
     assert content, r
-    ids = _tokens_of(redis_server.url, r.id)
+    ids = _tokens_of(fleet.redis_url, r.id)
     assert len(ids) == len(content)
     prompt = smollm2_tokenizer(
         smollm2_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
@@ -383,10 +305,11 @@ def test_a_batch_of_json_schema_lines_yields_only_valid_outputs(sdk: openai.Open
     batch = sdk.batches.create(
         input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done = _poll(
+    done = wait_for(
         lambda: (b := sdk.batches.retrieve(batch.id)).status in ("completed", "failed") and b,
         "the batch to end",
         timeout_s=600,
+        poll_s=0.1,
     )
     assert done.status == "completed" and done.output_file_id, done
     lines = sdk.files.content(done.output_file_id).text.splitlines()
@@ -397,7 +320,9 @@ def test_a_batch_of_json_schema_lines_yields_only_valid_outputs(sdk: openai.Open
         jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMA)
 
 
-def test_a_worker_killed_mid_json_still_yields_valid_json(sdk: openai.OpenAI, fleet: Fleet) -> None:
+def test_a_worker_killed_mid_json_still_yields_valid_json(
+    sdk: openai.OpenAI, fleet: RealFleet
+) -> None:
     """Runs last: it kills one of the two workers."""
     stream = sdk.chat.completions.create(
         model="default",
@@ -417,8 +342,7 @@ def test_a_worker_killed_mid_json_still_yields_valid_json(sdk: openai.OpenAI, fl
             record = httpx.get(f"{fleet.url}/requests/{chunk.id}", timeout=30).json()
             killed = record["worker"]
             assert killed in WORKERS, record
-            fleet.procs[killed].send_signal(signal.SIGKILL)
-            fleet.procs[killed].wait(30)
+            fleet.workers[killed].kill()  # SIGKILL, reaped
     assert killed is not None
     text = "".join(parts)
     jsonschema.validate(json.loads(text), SCHEMA)

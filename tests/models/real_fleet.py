@@ -1,0 +1,97 @@
+"""The real-model gateway fleet: two real ``tokenfleet worker --model smollm2`` processes and a
+real ``tokenfleet serve`` (uvicorn) on a private ``redis-server`` of their own, as a user starts
+them. One is started for the session, when a test first asks for it (``real_fleet`` in
+tests/models/conftest.py), and stopped after the last test of tests/models: the tools, ``n``,
+structured-output and plain gateway tests share it instead of paying three SmolLM2 loads each.
+
+Its own Redis because the suite's ``redis_url`` fixture flushes the shared server before each
+test that asks for it. The workers' heartbeats are short (3 s) so a takeover happens within a
+test. A test that SIGKILLs a worker (the takeover tests) leaves it dead; the fixture starts it
+again, under the same name as a restarted process would have, before the next test (``revive``).
+
+Invariant: after ``revive()`` returns, every worker of ``WORKERS`` and the gateway run, and the
+gateway's ``/v1/models`` lists exactly ``WORKERS`` for model ``default``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+from child_process import ChildProcess, free_port, tokenfleet_args
+from waiting import wait_for
+
+from tokenfleet.worker.devtools.local_redis import RedisServer
+
+PREFIX = "tfreal"
+WORKERS = ("real-a", "real-b")
+READY_S = 300.0  # failure guard: two SmolLM2 loads on a loaded 2-core machine
+TIMERS = ("--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5")
+
+
+class RealFleet:
+    """See the module docstring. ``url``: the gateway's ``/v1`` base; ``redis_url``: its
+    Redis; ``workers``: name -> the running process (replaced by ``revive``)."""
+
+    def __init__(self, model_cache: Path, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.server = RedisServer(unix_socket=True, prefer="system").start()
+        self.redis_url = self.server.url
+        self.env = {
+            "REDIS_URL": self.redis_url,
+            "TOKENFLEET_KEY_PREFIX": PREFIX,
+            "TOKENFLEET_MODEL_CACHE": str(model_cache),
+        }
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/v1"
+        self.workers: dict[str, ChildProcess] = {}
+        self.starts = 0  # worker processes started (each log file is its own)
+        self.closed = False
+        self.gateway = ChildProcess(
+            tokenfleet_args("serve", "--port", str(port), "--log-level", "warning"),
+            log_dir / "gateway.log",
+            self.env,
+        )
+        try:
+            self.revive()
+        except BaseException:
+            self.close()
+            raise
+
+    def revive(self) -> None:
+        """Start again every worker that is not running, and wait until all are ready."""
+        if self.closed:
+            raise RuntimeError("the real-model fleet was stopped after the last test of its folder")
+        for name in WORKERS:
+            if name not in self.workers or not self.workers[name].alive():
+                if name in self.workers:
+                    self.workers[name].close()
+                self.starts += 1
+                args = tokenfleet_args(
+                    "worker", "--model", "smollm2", "--name", name, "--threads", "1", *TIMERS
+                )
+                log = self.log_dir / f"{name}-{self.starts}.log"
+                self.workers[name] = ChildProcess(args, log, self.env)
+        wait_for(self._ready, "the SmolLM2 workers and the gateway", READY_S, 0.1)
+
+    def _ready(self) -> bool:
+        self.gateway.check_alive("the gateway")
+        for name, proc in self.workers.items():
+            proc.check_alive(f"worker {name}")
+        try:
+            models: list[dict[str, Any]] = httpx.get(self.url + "/models", timeout=2).json()["data"]
+        except httpx.HTTPError:
+            return False
+        return [m["id"] for m in models] == ["default"] and sorted(
+            models[0]["tokenfleet"]["workers"]
+        ) == list(WORKERS)
+
+    def close(self) -> None:
+        """Stop the workers and the gateway (SIGTERM, then SIGKILL) and the Redis; once."""
+        if self.closed:
+            return
+        self.closed = True
+        for proc in [*self.workers.values(), self.gateway]:
+            proc.close(grace_s=30)
+        self.server.stop()
