@@ -1,7 +1,8 @@
 """The batch runner against a real worker (tiny Llama) on the session's Redis: a batch runs to
 completion and its files match its input line by line; the window bounds the batch queue;
 cancel and expiry finalize with what is done; two drivers on one batch still write each line
-once. Each test has its own key prefix (the module's worker serves all of them: one prefix)."""
+once. Each test has its own key prefix (the module's worker serves all of them: one prefix;
+it runs in a thread, tests/thread_worker.py: no test signals it)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from batch_helpers import (
     wait_batch,
     with_env,
 )
-from gateway_helpers import Worker
+from gateway_helpers import GATEWAY_FLAGS
+from thread_worker import ThreadWorker
 
 from tokenfleet.producer.gateway.batches import BatchObject, BatchRunner, BatchStore
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
@@ -44,22 +46,19 @@ def prefix() -> str:
 
 @pytest.fixture(scope="module")
 def worker(
-    redis_server: RedisServer,
-    plain_redis: redis.Redis,
-    tiny_llama_dir: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    prefix: str,
-) -> Iterator[Worker]:
-    log_dir = tmp_path_factory.mktemp("batch-logs")
-    w = Worker(tiny_llama_dir, redis_server.url, prefix, "batch-worker", log_dir)
+    redis_server: RedisServer, plain_redis: redis.Redis, tiny_llama_dir: Path, prefix: str
+) -> Iterator[ThreadWorker]:
+    """The module's worker, in a thread (no test signals or stops it)."""
+    w = ThreadWorker(tiny_llama_dir, redis_server.url, prefix, "batch-worker", flags=GATEWAY_FLAGS)
     try:
-        yield w.wait_ready(plain_redis)
+        w.wait_ready(plain_redis)
+        yield w
     finally:
         w.close()
 
 
 @pytest.fixture
-def bsettings(redis_server: RedisServer, worker: Worker, prefix: str) -> Settings:
+def bsettings(redis_server: RedisServer, worker: ThreadWorker, prefix: str) -> Settings:
     return Settings(redis_url=redis_server.url, key_prefix=prefix)
 
 
