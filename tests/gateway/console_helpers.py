@@ -70,9 +70,11 @@ def console_fleet(
     *,
     worker_args: tuple[str, ...] = (),
     gateway_env: dict[str, str] | None = None,
+    threaded: bool = False,
 ) -> Iterator[Fleet]:
     """A module fixture's body: a gateway with API keys required and one worker, the idle
-    model declared; stopped after the module."""
+    model declared; stopped after the module. ``threaded``: the worker runs in a thread (for
+    modules that never signal it)."""
     f = start_fleet(
         redis_server,
         r,
@@ -81,6 +83,7 @@ def console_fleet(
         gateway_args=("--auth", "required"),
         worker_args=worker_args,
         gateway_env=gateway_env,
+        threaded=threaded,
     )
     f.r.sadd(f.keys.declared, IDLE_MODEL)
     try:

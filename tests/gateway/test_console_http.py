@@ -54,6 +54,7 @@ def fleet(
         tiny_llama_dir,
         tmp_path_factory.mktemp("console-http"),
         worker_args=("--metrics-port", str(metrics_port)),
+        threaded=True,  # no test signals the worker
     )
 
 
