@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -15,7 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BINARY = Path(compose.__file__).parent / "docker-compose"
 
 
-def _config(*args: str) -> dict[str, Any]:
+@functools.cache
+def _config_json(*args: str) -> str:
+    """What ``docker-compose -f compose.yaml ARGS config`` prints (run once per ``args``)."""
     out = subprocess.run(
         [str(BINARY), "-f", str(ROOT / "compose.yaml"), *args, "config", "--format", "json"],
         capture_output=True,
@@ -24,7 +27,11 @@ def _config(*args: str) -> dict[str, Any]:
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return out.stdout
+
+
+def _config(*args: str) -> dict[str, Any]:
+    return json.loads(_config_json(*args))
 
 
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
