@@ -36,3 +36,12 @@ def ref_engine(tiny_llama_dir: Path) -> Any:
 
     torch.set_num_threads(1)
     return Engine(tiny_llama_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def chaos_reference(ref_engine: Any) -> dict[str, list[int]]:
+    """The chaos tests' undisturbed greedy runs (``chaos_fleet.reference_runs``), computed once:
+    every chaos scenario compares its streams with the same ones."""
+    from chaos_fleet import reference_runs
+
+    return reference_runs(ref_engine)

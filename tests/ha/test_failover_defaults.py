@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import redis
-from chaos_fleet import ChaosFleet, chaos_fleet, heartbeat_of, reference_runs
+from chaos_fleet import ChaosFleet, chaos_fleet, heartbeat_of
 from ha_helpers import cluster_flags, cluster_settings, ha_settings, sentinel_flags
 
 from tokenfleet.shared.cluster_connection import fleet_slot
@@ -64,9 +64,11 @@ def _sentinel_fleet(
 
 
 def test_sentinel_failover_with_the_defaults_loses_nothing(
-    sentinel_setup: LocalSentinel, tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+    sentinel_setup: LocalSentinel,
+    tiny_llama_dir: Path,
+    chaos_reference: dict[str, list[int]],
+    tmp_path: Path,
 ) -> None:
-    reference = reference_runs(ref_engine)
     _, ctx = _sentinel_fleet(sentinel_setup, "hadf", tiny_llama_dir, tmp_path)
     with ctx as fleet:
 
@@ -75,16 +77,15 @@ def test_sentinel_failover_with_the_defaults_loses_nothing(
             new = sentinel_setup.failover()
             return f"SENTINEL FAILOVER {old} -> {new}"
 
-        _run(fleet, switch, reference)
+        _run(fleet, switch, chaos_reference)
 
 
 def test_sentinel_failover_without_min_replicas_loses_nothing(
-    tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+    tiny_llama_dir: Path, chaos_reference: dict[str, list[int]], tmp_path: Path
 ) -> None:
     """The setup the issue was found on: no ``min-replicas-to-write`` either, so the demoted
     primary takes writes until the sentinels turn it into a replica; they are discarded then,
     and the workers put them back."""
-    reference = reference_runs(ref_engine)
     with LocalSentinel(service="tfnominrep", min_replicas_to_write=0) as setup:
         _, ctx = _sentinel_fleet(setup, "hadn", tiny_llama_dir, tmp_path)
         with ctx as fleet:
@@ -94,13 +95,12 @@ def test_sentinel_failover_without_min_replicas_loses_nothing(
                 new = setup.failover()
                 return f"SENTINEL FAILOVER {old} -> {new}, no min-replicas-to-write"
 
-            _run(fleet, switch, reference)
+            _run(fleet, switch, chaos_reference)
 
 
 def test_a_killed_sentinel_primary_with_the_defaults_loses_nothing(
-    tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+    tiny_llama_dir: Path, chaos_reference: dict[str, list[int]], tmp_path: Path
 ) -> None:
-    reference = reference_runs(ref_engine)
     with LocalSentinel(service="tfdefkill") as setup:
         _, ctx = _sentinel_fleet(setup, "hadk", tiny_llama_dir, tmp_path)
         with ctx as fleet:
@@ -110,13 +110,15 @@ def test_a_killed_sentinel_primary_with_the_defaults_loses_nothing(
                 new = setup.crash_primary()
                 return f"sentinel primary {old} SIGKILLed, {new} promoted"
 
-            _run(fleet, switch, reference)
+            _run(fleet, switch, chaos_reference)
 
 
 def test_a_killed_cluster_primary_with_the_defaults_loses_nothing(
-    redis_cluster: LocalCluster, tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+    redis_cluster: LocalCluster,
+    tiny_llama_dir: Path,
+    chaos_reference: dict[str, list[int]],
+    tmp_path: Path,
 ) -> None:
-    reference = reference_runs(ref_engine)
     prefix = "hadc"
     settings = cluster_settings(redis_cluster, prefix)
     lane = dataclasses.replace(settings, lane="default")
@@ -138,4 +140,4 @@ def test_a_killed_cluster_primary_with_the_defaults_loses_nothing(
             old, new = redis_cluster.crash_primary(fleet_slot(keys.root))
             return f"cluster primary {old} SIGKILLed, replica {new} promoted"
 
-        _run(fleet, switch, reference)
+        _run(fleet, switch, chaos_reference)

@@ -11,11 +11,10 @@ gateway) gap-free, duplicate-free and equal to the undisturbed greedy run
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
-from chaos_fleet import chaos_fleet, heartbeat_of, reference_runs
+from chaos_fleet import chaos_fleet, heartbeat_of
 from ha_helpers import wait_for
 
 from tokenfleet.shared.keys import Keys
@@ -28,9 +27,8 @@ SHORT = 40  # requests that end between the snapshot and the restart
 
 
 def test_restarted_from_a_snapshot_taken_mid_run_nothing_is_lost(
-    tiny_llama_dir: Path, ref_engine: Any, tmp_path: Path
+    tiny_llama_dir: Path, chaos_reference: dict[str, list[int]], tmp_path: Path
 ) -> None:
-    reference = reference_runs(ref_engine)
     server = RedisServer(unix_socket=False, appendonly=False).start()
     try:
         settings = Settings(redis_url=server.url, key_prefix=PREFIX)
@@ -58,6 +56,6 @@ def test_restarted_from_a_snapshot_taken_mid_run_nothing_is_lost(
             assert any(x is not None and x.status == "running" for x in recs), recs
             server.restart()  # SIGKILL; the new process loads the snapshot
             fleet.submit(2)  # the restarted server takes new work too
-            fleet.check(reference, "standalone restarted from a mid-run snapshot")
+            fleet.check(chaos_reference, "standalone restarted from a mid-run snapshot")
     finally:
         server.stop()
