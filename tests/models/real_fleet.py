@@ -76,9 +76,9 @@ class RealFleet:
         wait_for(self._ready, "the SmolLM2 workers and the gateway", READY_S, 0.1)
 
     def _ready(self) -> bool:
-        self.gateway.check_alive("the gateway")
+        assert self.gateway.alive(), f"the gateway exited early:\n{self.gateway.output()}"
         for name, proc in self.workers.items():
-            proc.check_alive(f"worker {name}")
+            assert proc.alive(), f"worker {name} exited early:\n{proc.output()}"
         try:
             models: list[dict[str, Any]] = httpx.get(self.url + "/models", timeout=2).json()["data"]
         except httpx.HTTPError:
