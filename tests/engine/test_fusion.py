@@ -61,7 +61,10 @@ def test_a_qwen2_fuses_its_mlp_and_keeps_its_attention(tiny_qwen2_dir: Path) -> 
     )
 
 
-def test_the_runner_runs_llama_fused(tiny_llama_dir: Path) -> None:
-    runner = ModelRunner(tiny_llama_dir, num_kv_blocks=4, block_size=16)
-    n = len(runner.model.model.layers)
-    assert runner.fused == {"qkv": n, "gate_up": n, "rms_norm": 2 * n + 1}
+def test_the_runner_joins_only_what_it_quantizes(tiny_llama_dir: Path) -> None:
+    n = 4  # the tiny Llama's layers
+    quantized = ModelRunner(tiny_llama_dir, num_kv_blocks=4, block_size=16, quantization="int4")
+    assert quantized.fused == {"qkv": n, "gate_up": n, "rms_norm": 2 * n + 1}
+    plain = ModelRunner(tiny_llama_dir, num_kv_blocks=4, block_size=16)  # no copies to hold
+    assert plain.fused == {"qkv": 0, "gate_up": 0, "rms_norm": 2 * n + 1}
+    assert isinstance(plain.model.model.layers[0].self_attn.q_proj, nn.Linear)

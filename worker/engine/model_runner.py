@@ -28,7 +28,11 @@ from tokenfleet.worker.engine.paged_attention import (
     PrefillChunk,
     paged_attention_forward,
 )
-from tokenfleet.worker.engine.quantization import quantize_model
+from tokenfleet.worker.engine.quantization import (
+    joined_quantizer,
+    quantize_model,
+    resolve_mode,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -161,7 +165,11 @@ class ModelRunner:
             ) from exc
         self.model: Any = hf_model.to(self.device).eval()
         self.config = self.model.config
-        self.fused = fuse_projections(self.model)
+        # Projections are joined only where they will be quantized (see fuse_projections).
+        mode = resolve_mode(quantization, model) if self.device.type == "cpu" else "none"
+        self.fused = fuse_projections(
+            self.model, join=mode != "none", convert=joined_quantizer(mode)
+        )
         self.quantization = quantize_model(self.model, quantization, self.device, source=model)
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)

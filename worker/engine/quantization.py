@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,31 @@ class QuantizationReport:
         return f"{self.applied} ({self.num_quantized} linear layers{skipped})"
 
 
+def resolve_mode(mode: str, source: str | os.PathLike[str] | None = None) -> str:
+    """``mode`` with ``auto`` replaced by the precision of the GGUF file ``source`` was
+    converted from (``none`` when unknown)."""
+    if mode == "auto":
+        return (file_precision(source) if source is not None else None) or "none"
+    return check_quantization(mode)
+
+
+def joined_quantizer(mode: str) -> Callable[[nn.Linear], nn.Module] | None:
+    """For ``fuse_projections(convert=...)``: each joined layer quantized as ``mode`` (``int4``
+    or ``int8``) when it fits the kernel, else left float; None when nothing would be."""
+    if mode not in _LAYERS or not kernels_available():
+        return None
+    layer_cls = _LAYERS[mode]
+
+    def quantize(linear: nn.Linear) -> nn.Module:
+        if not layer_cls.supports(linear):
+            return linear
+        layer = layer_cls(linear)
+        setattr(layer, FUSED_PARTS, fused_parts(linear))
+        return layer
+
+    return quantize
+
+
 def quantize_model(
     model: Any, mode: str, device: torch.device, source: str | os.PathLike[str] | None = None
 ) -> QuantizationReport:
@@ -255,8 +281,7 @@ def quantize_model(
     reason, when the device is not a CPU, the kernels are missing, or no layer fits them.
     """
     report = QuantizationReport(requested=check_quantization(mode))
-    if mode == "auto":
-        mode = (file_precision(source) if source is not None else None) or "none"
+    mode = resolve_mode(mode, source)
     if mode == "none":
         return report
     model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
@@ -294,10 +319,11 @@ def quantize_model(
             getattr(parent, "down_proj", None), layer_cls
         ):
             setattr(parent, ACT_DTYPE, torch.bfloat16)  # gate/up's product stays bfloat16
+    done = [m for m in model.modules() if isinstance(m, layer_cls)]  # joined ones, and these
     report.applied = mode
-    report.num_quantized = sum(len(fused_parts(linear)) for _, _, linear in fitting)
-    report.num_skipped = sum(len(fused_parts(linear)) for _, _, linear in targets) - (
-        report.num_quantized
+    report.num_quantized = sum(len(fused_parts(layer)) for layer in done)
+    report.num_skipped = sum(len(fused_parts(linear)) for _, _, linear in targets) - sum(
+        len(fused_parts(linear)) for _, _, linear in fitting
     )
     report.head = _quantize_head(model)
     return report
