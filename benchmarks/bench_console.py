@@ -41,8 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import redis
-from prometheus_client.parser import text_string_to_metric_families
 
 from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
 from tokenfleet.worker.devtools.local_redis import RedisServer, free_port
@@ -50,40 +48,10 @@ from tokenfleet.worker.devtools.tiny_model import make_tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gateway import start, wait  # (the same child processes, the same readiness polls)
+from probes import cpu_s, redis_cpu_s, step_totals
 
 # its rows in benchmarks/RESULTS.md
 HEADLINE_KEYS = ("console-gateway-rate", "console-step-time", "console-gateway-cpu")
-
-
-def cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def redis_cpu_s(url: str) -> float:
-    """CPU seconds the redis-server has used so far (INFO cpu)."""
-    r = redis.Redis.from_url(url)
-    try:
-        info: Any = r.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    finally:
-        r.close()
-
-
-def step_totals(port: int) -> tuple[float, float]:
-    """(sum, count) of the worker's engine step histogram."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as got:
-        text = got.read().decode()
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        if family.name == "tokenfleet:engine_step_seconds":
-            for s in family.samples:
-                if s.name.endswith("_sum"):
-                    total += s.value
-                elif s.name.endswith("_count"):
-                    count += s.value
-    return total, count
 
 
 async def load(base: str, concurrency: int, max_tokens: int, until: float) -> int:

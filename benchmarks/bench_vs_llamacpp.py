@@ -49,13 +49,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probes import cpu_s, redis_cpu_s, step_totals
 from workload import percentile
 
 from tokenfleet.worker.devtools.bench_table import add_record_flag, record_figures
@@ -70,6 +71,10 @@ OURS, THEIRS = "tokenfleet", "llama.cpp"
 SERVERS = (OURS, THEIRS)
 PROMPT_WORDS = (50, 150)  # words of random prose per prompt: about 150 tokens on average, templated
 MAX_TOKENS = (16, 128)
+CLIENT_CPU = "cpu client"  # the load generator's own CPU (this process), a probe's counter
+# a server's counters that only grow (CPU seconds by process, engine step totals): a level's
+# figures hold their growth over the level
+Probe = Callable[[], dict[str, float]]
 # the headline rows of benchmarks/RESULTS.md, by level
 HEADLINE_KEYS = ("llamacpp-http-1", "llamacpp-http-8", "llamacpp-http-32")
 ROW_KEYS = dict(zip((1, 8, 32), HEADLINE_KEYS, strict=True))
@@ -176,7 +181,9 @@ async def one_request(client: Any, model: str, req: TraceRequest) -> RequestResu
                 result.num_output_tokens = chunk.usage.completion_tokens
                 result.num_prompt_tokens = chunk.usage.prompt_tokens
     except Exception as exc:  # every failure is counted and shown, none hidden
-        result.error = f"{type(exc).__name__}: {exc}"
+        cause = f" (cause: {exc.__cause__!r})" if exc.__cause__ is not None else ""
+        after = f"{time.perf_counter() - start:.3f} s after it was sent, {chunks} tokens in"
+        result.error = f"{type(exc).__name__}: {exc}{cause}; {after}"
         return result
     if not chunks:
         result.error = "no content token streamed"
@@ -221,10 +228,31 @@ class LevelFigures:
     ttft_p50_s: float
     ttft_p99_s: float
     load_avg_1m: float  # os.getloadavg()[0] when the level ended
+    # what the server's probe counted over the level (``Probe``): "cpu NAME" = CPU seconds of
+    # a process, "engine step s" / "engine steps" = the worker's engine steps; empty: no probe
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def server_cpu_ms_per_token(self) -> float:
+        """CPU milliseconds the server's own processes (not the load generator) spent per output
+        token: on a loaded host, a figure the load does not inflate as it does wall time."""
+        cpu = sum(v for k, v in self.counters.items() if k.startswith("cpu ") and k != CLIENT_CPU)
+        return 1000 * cpu / self.output_tokens if self.output_tokens and cpu else float("nan")
+
+    @property
+    def engine_step_ms(self) -> float:
+        """The worker's mean engine step over the level (ours only)."""
+        steps = self.counters.get("engine steps", 0.0)
+        return 1000 * self.counters.get("engine step s", 0.0) / steps if steps else float("nan")
 
 
 def summarize(
-    server: str, level: int, results: Sequence[RequestResult], wall_s: float, load_avg_1m: float
+    server: str,
+    level: int,
+    results: Sequence[RequestResult],
+    wall_s: float,
+    load_avg_1m: float,
+    counters: dict[str, float] | None = None,
 ) -> LevelFigures:
     """A level's figures from its requests (failed requests count only as errors)."""
     ok = [r for r in results if r.error is None]
@@ -246,6 +274,7 @@ def summarize(
         ttft_p50_s=percentile(ttfts, 50),
         ttft_p99_s=percentile(ttfts, 99),
         load_avg_1m=load_avg_1m,
+        counters=dict(counters or {}),
     )
 
 
@@ -293,6 +322,54 @@ def table(figures: dict[tuple[str, int], LevelFigures]) -> str:
                 f"{r['ttft_p50_s']:>10.2f} {r['ttft_p99_s']:>7.2f}"
             )
     return "\n".join(lines)
+
+
+def cost_table(figures: dict[tuple[str, int], LevelFigures]) -> str:
+    """Where the time went: CPU milliseconds per output token by process, and our worker's
+    engine steps (mean step, and the share of the level's wall time spent stepping)."""
+    names = sorted({k[4:] for f in figures.values() for k in f.counters if k.startswith("cpu ")})
+    head = f"{'in flight':>9} {'server':>10} {'server CPU ms/tok':>17} "
+    head += " ".join(f"{name:>12}" for name in names)
+    lines = [f"{head} {'step ms':>8} {'steps':>6} {'stepping':>8}"]
+    for (server, level), f in sorted(figures.items(), key=lambda item: (item[0][1], item[0][0])):
+        per_token = [
+            1000 * f.counters[f"cpu {name}"] / f.output_tokens
+            if f"cpu {name}" in f.counters and f.output_tokens
+            else float("nan")
+            for name in names
+        ]
+        steps = f.counters.get("engine steps", 0.0)
+        stepping = f.counters.get("engine step s", 0.0) / f.wall_s if f.wall_s else float("nan")
+        line = f"{level:>9} {server:>10} {f.server_cpu_ms_per_token:>17.1f} "
+        line += " ".join(f"{x:>12.1f}" for x in per_token)
+        if steps:
+            line += f" {f.engine_step_ms:>8.1f} {steps:>6.0f} {100 * stepping:>7.0f}%"
+        lines.append(line)
+        if server == OURS and (THEIRS, level) in figures:
+            theirs = figures[THEIRS, level].server_cpu_ms_per_token
+            ratio = f.server_cpu_ms_per_token / theirs if theirs else float("nan")
+            lines.append(f"{level:>9} {'ours÷them':>10} {ratio:>17.2f}")
+    return "\n".join(lines)
+
+
+def counters_probe(
+    pids: dict[str, int], redis_url: str | None = None, metrics_port: int | None = None
+) -> Probe:
+    """A server's counters: each named process's CPU seconds, the redis-server's (``redis_url``),
+    the worker's engine step totals (``metrics_port``), and this process's own CPU (the load
+    generator, ``CLIENT_CPU``)."""
+
+    def read() -> dict[str, float]:
+        out = {f"cpu {name}": cpu_s(pid) for name, pid in pids.items()}
+        if redis_url is not None:
+            out["cpu redis"] = redis_cpu_s(redis_url)
+        if metrics_port is not None:
+            out["engine step s"], out["engine steps"] = step_totals(metrics_port)
+        times = os.times()
+        out[CLIENT_CPU] = times.user + times.system
+        return out
+
+    return read
 
 
 def headline_cells(figures: dict[tuple[str, int], LevelFigures]) -> dict[str, str]:
@@ -429,9 +506,9 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def llama_server(command: list[str], port: int, log_path: Path) -> Iterator[str]:
-    """Run ``command`` (a ``llama-server``) until the block ends; yields its ``/v1`` URL once
-    ``/health`` answers 200 (the model is loaded)."""
+def llama_server(command: list[str], port: int, log_path: Path) -> Iterator[tuple[str, int]]:
+    """Run ``command`` (a ``llama-server``) until the block ends; yields its ``/v1`` URL and
+    its pid once ``/health`` answers 200 (the model is loaded)."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -441,7 +518,7 @@ def llama_server(command: list[str], port: int, log_path: Path) -> Iterator[str]
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise SystemExit(f"llama-server did not start (exit {proc.poll()}):\n{tail}")
             time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{port}/v1", proc.pid
     finally:
         proc.terminate()
         try:
@@ -466,14 +543,32 @@ def load_avg() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+async def run_fresh(
+    connect: Callable[[], Any], trace: Sequence[TraceRequest], in_flight: int
+) -> tuple[list[RequestResult], float]:
+    """``run_level`` on a client of its own, closed afterwards: each run opens its connections
+    anew, so none has sat idle in a pool while the other server ran (a keep-alive connection the
+    server has dropped meanwhile would fail a request that never reached it)."""
+    client = connect()
+    try:
+        return await run_level(client, "default", trace, in_flight)
+    finally:
+        await client.close()
+
+
 async def measure(
-    clients: dict[str, Any], levels: Sequence[int], num_requests: int, seed: int
+    connect: dict[str, Callable[[], Any]],
+    levels: Sequence[int],
+    num_requests: int,
+    seed: int,
+    probes: dict[str, Probe] | None = None,
 ) -> dict[tuple[str, int], LevelFigures]:
-    """Warm each server up, then each level on both servers in turn (module doc); ``clients``
-    are ``AsyncOpenAI`` clients by server name."""
+    """Warm each server up, then each level on both servers in turn (module doc); ``connect``
+    makes an ``AsyncOpenAI`` client for a server, by name; ``probes`` are their counters."""
+    probes = probes or {}
     warmup = make_trace(0, 4, seed=seed + 1_000_003, max_tokens=(16, 16))  # no level's prompts
     for name in SERVERS:
-        results, _ = await run_level(clients[name], "default", warmup, 4)
+        results, _ = await run_fresh(connect[name], warmup, 4)
         failed = [r.error for r in results if r.error]
         if failed:
             raise SystemExit(f"{name} failed its warm-up requests: {failed}")
@@ -481,8 +576,11 @@ async def measure(
     for n, level in enumerate(levels):
         trace = make_trace(level, num_requests, seed=seed)
         for name in SERVERS if n % 2 == 0 else SERVERS[::-1]:
-            results, wall = await run_level(clients[name], "default", trace, level)
-            fig = summarize(name, level, results, wall, os.getloadavg()[0])
+            before = probes[name]() if name in probes else {}
+            results, wall = await run_fresh(connect[name], trace, level)
+            after = probes[name]() if name in probes else {}
+            grown = {k: after[k] - before[k] for k in after}
+            fig = summarize(name, level, results, wall, os.getloadavg()[0], grown)
             figures[name, level] = fig
             print(
                 f"{level:>3} in flight, {name:>10}: {fig.tok_s:6.1f} tok/s, TPOT "
@@ -497,20 +595,21 @@ async def measure(
 
 
 async def measure_servers(
-    urls: dict[str, str], levels: Sequence[int], num_requests: int, seed: int
+    urls: dict[str, str],
+    levels: Sequence[int],
+    num_requests: int,
+    seed: int,
+    probes: dict[str, Probe],
 ) -> dict[tuple[str, int], LevelFigures]:
-    """``measure`` through the official SDK, one ``AsyncOpenAI`` client per server URL."""
+    """``measure`` through the official SDK: ``AsyncOpenAI`` clients of the servers' URLs, no
+    retries (a failed request is counted, not hidden)."""
     import openai
 
-    clients = {
-        name: openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=1800)
-        for name, url in urls.items()
-    }
-    try:
-        return await measure(clients, levels, num_requests, seed)
-    finally:
-        for client in clients.values():
-            await client.close()
+    def client_of(url: str) -> Callable[[], Any]:
+        return lambda: openai.AsyncOpenAI(base_url=url, api_key="-", max_retries=0, timeout=1800)
+
+    connect = {name: client_of(url) for name, url in urls.items()}
+    return await measure(connect, levels, num_requests, seed, probes)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -549,7 +648,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = llama_server_version(binary)
     loads = {"start": os.getloadavg()}
     print(f"file: {gguf}")
-    print(f"llama.cpp: {binary} ({version})")
+    print(f"llama.cpp: {LLAMA_CPP_PACKAGE}, {binary} ({version})")
     print(
         f"threads: {args.threads} per server; os.cpu_count() {os.cpu_count()}; quantization "
         f"{args.quantization}; {slots} sequences x {args.ctx_per_seq} tokens; levels {levels}, "
@@ -560,8 +659,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     prefix = f"benchllama{uuid.uuid4().hex[:6]}"
     port = free_port()
+    metrics_port = free_port()
     worker_args = ["--quantization", args.quantization, "--max-num-seqs", str(slots)]
     worker_args += ["--kv-tokens-per-seq", str(args.ctx_per_seq)]
+    worker_args += ["--metrics-port", str(metrics_port)]
     command = llama_server_args(binary, gguf, port, args.threads, slots, args.ctx_per_seq)
     with (
         RedisServer() as redis_server,
@@ -572,23 +673,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_workers=1,
             threads=args.threads,
             extra_args=worker_args,
-        ) as _fleet,
+        ) as fleet,
         LocalGateway(
             redis_server.url, key_prefix=prefix, extra_args=["--log-level", "warning"]
         ) as gateway,
-        llama_server(command, port, logs / "llama-server.log") as llama_url,
+        llama_server(command, port, logs / "llama-server.log") as (llama_url, llama_pid),
     ):
         print(f"llama-server: {' '.join(command[1:])}", flush=True)
         urls = {OURS: f"{gateway.url}/v1", THEIRS: llama_url}
-        figures = asyncio.run(measure_servers(urls, levels, args.requests, args.seed))
+        assert gateway.proc is not None  # started
+        pids = {"worker": fleet.procs[0].pid, "gateway": gateway.proc.pid}
+        probes = {
+            OURS: counters_probe(pids, redis_server.url, metrics_port),
+            THEIRS: counters_probe({"llama-server": llama_pid}),
+        }
+        figures = asyncio.run(measure_servers(urls, levels, args.requests, args.seed, probes))
     loads["end"] = os.getloadavg()
     print()
     print(table(figures))
     print()
+    print(cost_table(figures))
+    print()
     verdicts = goal_verdicts(figures)
     for goal, ratio, met in verdicts:
         print(f"goal {goal.text}: ours ÷ llama.cpp {ratio:.2f} -> {'met' if met else 'MISSED'}")
-    print(f"load average at start {loads['start']}, at end {load_avg()}")
+    start_load = "/".join(f"{x:.1f}" for x in loads["start"])
+    print(f"load average (1/5/15 min) at start {start_load}, at end {load_avg()}")
     errors = sum(f.num_errors for f in figures.values())
     if args.json:
         args.json.write_text(

@@ -51,6 +51,14 @@ class FakeClient:
         self.prompts: list[str] = []
         self.fail_on = fail_on
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+        self.closed = 0
+
+    def connect(self) -> FakeClient:
+        """A client for one run: this one again (closed afterwards), so it sees every request."""
+        return self
+
+    async def close(self) -> None:
+        self.closed += 1
 
     async def create(self, **body: Any) -> Any:
         prompt = body["messages"][0]["content"]
@@ -73,7 +81,10 @@ class FakeClient:
 
 def test_both_servers_get_each_levels_trace_and_no_level_another_ones(bench: ModuleType) -> None:
     clients = {name: FakeClient() for name in bench.SERVERS}
-    figures = asyncio.run(bench.measure(clients, [1, 8, 32], 8, seed=5))
+    connect = {name: client.connect for name, client in clients.items()}
+    figures = asyncio.run(bench.measure(connect, [1, 8, 32], 8, seed=5))
+    # each run (warm-up, then one per level) on a client of its own, closed after it
+    assert [client.closed for client in clients.values()] == [4, 4]
     ours, theirs = (clients[name].prompts for name in bench.SERVERS)
     assert ours == theirs  # warm-up and levels alike, in the same order
     warmup, levels = ours[:4], ours[4:]
@@ -165,3 +176,31 @@ def test_llama_server_gets_our_threads_and_room(bench: ModuleType) -> None:
     assert flags["--threads"] == flags["--threads-batch"] == "1"
     assert flags["--parallel"] == "32" and flags["--ctx-size"] == str(32 * 512)
     assert "--cont-batching" in args and flags["--model"] == "/m.gguf"
+
+
+def test_a_levels_counters_are_what_its_probe_counted_over_it(bench: ModuleType) -> None:
+    readings = iter(range(100))
+
+    def probe() -> dict[str, float]:  # counters that grow by a known step at each reading
+        n = next(readings)
+        steps = {"engine step s": 0.5 * n, "engine steps": 10.0 * n}
+        return {"cpu worker": 2.0 * n, "cpu client": 1.0 * n, **steps}
+
+    connect = {name: FakeClient().connect for name in bench.SERVERS}
+    figures = asyncio.run(bench.measure(connect, [1, 8], 4, 0, {bench.OURS: probe}))
+    ours, theirs = figures[bench.OURS, 8], figures[bench.THEIRS, 8]
+    assert ours.counters == {
+        "cpu worker": 2.0,
+        "cpu client": 1.0,
+        "engine step s": 0.5,
+        "engine steps": 10.0,
+    }
+    # the load generator's CPU is not the server's
+    assert ours.server_cpu_ms_per_token == pytest.approx(2000 / ours.output_tokens)
+    assert ours.engine_step_ms == pytest.approx(50.0)
+    assert theirs.counters == {} and math.isnan(theirs.server_cpu_ms_per_token)
+    assert math.isnan(theirs.engine_step_ms)
+    lines = bench.cost_table(figures).splitlines()
+    assert "worker" in lines[0] and "client" in lines[0] and len(lines) == 1 + 4 + 2
+    assert lines[3].split() == ["1", "ours÷them", "nan"]  # no CPU counted on their side
+    assert lines[2].split()[:2] == ["1", bench.OURS] and lines[2].endswith("%")
