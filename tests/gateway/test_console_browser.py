@@ -54,6 +54,9 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 WAIT_S = 90.0
+# The held-fleet test's work: 16 requests two at a time, long enough (1,600 steps) that an idle
+# machine cannot finish them in the few page readings it takes to see the numbers move.
+FLOW_REQUESTS, FLOW_TOKENS = 16, 200
 SCRIPT = "<script>window.__pwned = 1</script><img src=x onerror=window.__pwned=2>"
 
 
@@ -161,7 +164,10 @@ def test_numbers_change_live_and_equal_status_json_while_held(admin: Visit) -> N
     tokens_before = int(cell(page, worker_row, "tokens_total") or 0)
     with client(fleet.redis_url, fleet.prefix) as producer:
         producer.submit_many(
-            [{"prompt": f"flow {i}", "max_tokens": 48, "ignore_eos": True} for i in range(16)]
+            [
+                {"prompt": f"flow {i}", "max_tokens": FLOW_TOKENS, "ignore_eos": True}
+                for i in range(FLOW_REQUESTS)
+            ]
         )
     seen_waiting, seen_tokens = set(), set()
 
@@ -191,7 +197,10 @@ def test_numbers_change_live_and_equal_status_json_while_held(admin: Visit) -> N
     finally:
         fleet.worker.signal(signal.SIGCONT)
     until(
-        lambda: int(cell(page, worker_row, "tokens_total")) >= tokens_before + 16 * 48,
+        lambda: (
+            int(cell(page, worker_row, "tokens_total"))
+            >= tokens_before + FLOW_REQUESTS * FLOW_TOKENS
+        ),
         "every flowed token on the page",
     )
     assert page.evaluate("window.__stayed") == 1  # updated in place, never reloaded
