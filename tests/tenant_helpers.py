@@ -25,9 +25,14 @@ def enqueue(
     *,
     now: float = 1.0,
     deadline: float | None = None,
+    prompt_tokens: int = 10,
+    weight: float | None = None,
 ) -> list[Any]:
-    """Enqueue ``ids`` (10 prompt tokens each) as ``tenant`` at ``now``; the script's reply."""
-    items = [EnqueueItem(rid, b"{}", deadline, tenant=tenant, prompt_tokens=10) for rid in ids]
+    """Enqueue ``ids`` (``prompt_tokens`` each) as ``tenant`` at ``now``; the script's reply."""
+    items = [
+        EnqueueItem(rid, b"{}", deadline, tenant=tenant, weight=weight, prompt_tokens=prompt_tokens)
+        for rid in ids
+    ]
     k, a = enqueue_keys_args(keys, MODEL, NORMAL, items, now=now, ttl_s=600)
     reply: list[Any] = registry.call(r, ENQUEUE, k, a)
     return reply

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import redis
+from tenant_helpers import MODEL, NORMAL, enqueue, streams
 
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
-from tokenfleet.shared.priority import Priority
 from tokenfleet.shared.record import as_str
 from tokenfleet.shared.schema import TerminalEvent, TerminalStatus
 from tokenfleet.shared.scripts import registry
@@ -17,34 +17,6 @@ from tokenfleet.shared.scripts.cancel import CANCEL
 from tokenfleet.shared.scripts.enqueue import ENQUEUE, EnqueueItem, enqueue_keys_args
 from tokenfleet.shared.scripts.finish import FINISH, finish_keys_args
 from tokenfleet.worker.intake.streams import PriorityStreams
-
-NORMAL = Priority.NORMAL
-MODEL = "default"
-
-
-def enqueue(
-    r: redis.Redis,
-    keys: Keys,
-    tenant: str,
-    ids: list[str],
-    *,
-    prompt_tokens: int = 10,
-    weight: float | None = None,
-) -> list[Any]:
-    items = [
-        EnqueueItem(rid, b"{}", None, tenant=tenant, weight=weight, prompt_tokens=prompt_tokens)
-        for rid in ids
-    ]
-    k, a = enqueue_keys_args(keys, MODEL, NORMAL, items, now=1.0, ttl_s=600)
-    return registry.call(r, ENQUEUE, k, a)
-
-
-def streams(r: redis.Redis, keys: Keys, worker: str = "w1") -> PriorityStreams:
-    s = PriorityStreams(
-        r, keys, model_name=MODEL, priorities=[NORMAL], worker_name=worker, starvation_pulls=4
-    )
-    s.ensure_groups()
-    return s
 
 
 def pulled_tenants(s: PriorityStreams, budget: int) -> list[str]:
