@@ -1,5 +1,7 @@
 """The suite's one child-process helper: a real process (``tokenfleet worker``, ``tokenfleet
-serve``, any command) with its output in a log file, signalled, awaited and stopped.
+serve``, any command) with its output in a log file, signalled, awaited and stopped
+(:class:`ChildProcess`); and :func:`run_command`, a one-shot command run to its end with its
+output returned (a CLI call or a probe script whose output the test reads).
 
 A test that starts one is marked ``slow`` automatically (tests/conftest.py), and a test not
 marked ``slow`` that starts a Python process fails (the guard in tests/conftest.py).
@@ -29,11 +31,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _environment(env: Mapping[str, str] | None, inherit_env: bool) -> dict[str, str]:
+    """``env`` added to this process's environment, or alone when ``inherit_env`` is False."""
+    return {**os.environ, **(env or {})} if inherit_env else dict(env or {})
+
+
+def run_command(
+    args: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    inherit_env: bool = True,
+    cwd: Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``args`` run to its end with stdout and stderr captured as text (``env`` as for
+    :class:`ChildProcess`). The exit code is the caller's to assert, with ``stderr`` as the
+    message; running past ``timeout_s`` kills it and raises ``subprocess.TimeoutExpired``."""
+    return subprocess.run(
+        list(args),
+        env=_environment(env, inherit_env),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
 class ChildProcess:
-    """``args`` run as a child process, stdout and stderr into ``log_path``.
+    """``args`` run as a child process, stdout and stderr into ``log_path`` (stderr into
+    ``stderr_path`` instead when given: a test that parses the output line by line).
 
     ``env``: the child's whole environment when ``inherit_env`` is False, else added to this
-    process's. Invariant: after :meth:`close` the process has exited and the log is closed.
+    process's. Invariant: after :meth:`close` the process has exited and the logs are closed.
     """
 
     def __init__(
@@ -43,22 +73,38 @@ class ChildProcess:
         env: Mapping[str, str] | None = None,
         *,
         inherit_env: bool = True,
+        stderr_path: Path | None = None,
     ) -> None:
         self.log_path = log_path
-        full_env = {**os.environ, **(env or {})} if inherit_env else dict(env or {})
+        self.stderr_path = stderr_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.err_log = open(stderr_path, "wb") if stderr_path else None  # noqa: SIM115 - same
         self.proc = subprocess.Popen(
-            list(args), env=full_env, stdout=self.log, stderr=subprocess.STDOUT
+            list(args),
+            env=_environment(env, inherit_env),
+            stdout=self.log,
+            stderr=self.err_log or subprocess.STDOUT,
         )
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def output(self, tail: int = 6000) -> str:
-        """The log's last ``tail`` characters."""
+    def output(self, tail: int | None = 6000) -> str:
+        """The log's last ``tail`` characters (all of it when ``tail`` is None)."""
         self.log.flush()
-        return self.log_path.read_text(errors="replace")[-tail:]
+        text = self.log_path.read_text(errors="replace")
+        return text if tail is None else text[-tail:]
+
+    def errors(self) -> str:
+        """What it wrote to stderr, when that has its own file (``stderr_path``)."""
+        assert self.stderr_path is not None, "stderr goes to the log: read output()"
+        return self.stderr_path.read_text(errors="replace")
+
+    def lines(self) -> list[str]:
+        """The log's complete lines so far (a line still being written is left out)."""
+        lines = self.output(tail=None).splitlines(keepends=True)
+        return lines if not lines or lines[-1].endswith("\n") else lines[:-1]
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -94,3 +140,5 @@ class ChildProcess:
                 self.proc.wait(grace_s)
         self.kill()
         self.log.close()
+        if self.err_log is not None:
+            self.err_log.close()

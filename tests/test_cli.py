@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_process import run_command
 
 from tokenfleet.worker import cli
 
@@ -78,7 +78,7 @@ def test_bad_redis_url_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_console_script_is_installed() -> None:
     script = Path(sys.executable).parent / "tokenfleet"
-    out = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    out = run_command([str(script), "--help"], timeout_s=60)
     assert out.returncode == 0 and "demo" in out.stdout
 
 
@@ -118,6 +118,6 @@ for command in {COMMANDS!r}:
         assert exc.code == 0, (command, exc.code)
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_command([sys.executable, "-c", code], timeout_s=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("ok")

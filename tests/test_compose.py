@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import compose
 import pytest
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 # The wheel's console script always exits 0; call the binary itself.
@@ -19,12 +19,10 @@ BINARY = Path(compose.__file__).parent / "docker-compose"
 @functools.cache
 def _config_json(*args: str) -> str:
     """What ``docker-compose -f compose.yaml ARGS config`` prints (run once per ``args``)."""
-    out = subprocess.run(
+    out = run_command(
         [str(BINARY), "-f", str(ROOT / "compose.yaml"), *args, "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
         cwd=ROOT,
+        timeout_s=60,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -37,7 +35,7 @@ def _config(*args: str) -> dict[str, Any]:
 def test_binary_rejects_a_broken_file(tmp_path: Path) -> None:
     bad = tmp_path / "compose.yaml"
     bad.write_text("services:\n  x:\n    image: a\n    depends_on: [missing]\n")
-    out = subprocess.run([str(BINARY), "-f", str(bad), "config", "--quiet"], capture_output=True)
+    out = run_command([str(BINARY), "-f", str(bad), "config", "--quiet"])
     assert out.returncode != 0
 
 

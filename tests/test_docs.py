@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from child_process import run_command
 
 from tokenfleet.worker.devtools import bench_table
 
@@ -92,13 +92,12 @@ def test_readme_headline_figures_are_the_results_table() -> None:
 def test_the_docs_site_builds_strict(tmp_path: Path) -> None:
     # What `make docs` runs: a broken link, anchor, nav entry or API reference fails it.
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
-    done = subprocess.run(
+    done = run_command(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        env,
+        inherit_env=False,
         cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        timeout_s=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     for page in ("index.html", "reference/client/index.html", "benchmarks/index.html"):

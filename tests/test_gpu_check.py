@@ -3,12 +3,12 @@ checks it would run where there is one."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -17,10 +17,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check runs")
 def test_gpu_check_skips_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "figures"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(out)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    proc = run_command([sys.executable, str(SCRIPT), "--out", str(out)])
     assert proc.returncode == 0, proc.stderr
     assert "gpu-check: skipped: no CUDA device" in proc.stdout
     assert not out.exists()  # nothing run, nothing written

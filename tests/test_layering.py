@@ -15,11 +15,11 @@ imports it only to list every declared variable (docs/configuration.md, or refus
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
@@ -140,7 +140,6 @@ def test_a_producer_process_loads_no_worker_module() -> None:
         "GatewaySettings.from_env({})\n"
         "print(sorted(m for m in sys.modules if m.startswith('tokenfleet.worker')))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = run_command([sys.executable, "-c", probe])
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ("C901", "PLR0912", "PLR0915")
@@ -35,7 +35,7 @@ def _ruff() -> str:
 
 def _ruff_complexity(path: Path) -> list[str]:
     """What the complexity rules report on ``path`` under the project's configuration."""
-    out = subprocess.run(
+    out = run_command(
         [
             _ruff(),
             "check",
@@ -48,10 +48,7 @@ def _ruff_complexity(path: Path) -> list[str]:
             str(ROOT / "pyproject.toml"),
             str(path),
         ],
-        capture_output=True,
-        text=True,
         cwd=ROOT,
-        check=False,
     )
     return [line for line in out.stdout.splitlines() if any(r in line for r in RULES)]
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
+from child_process import run_command, tokenfleet_args
 
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
@@ -19,11 +18,8 @@ def test_demo_runs_a_fleet_end_to_end(
 ) -> None:
     env = {**os.environ, "REDIS_URL": redis_server.url}
     env.pop("TOKENFLEET_KEY_PREFIX", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenfleet.worker.cli",
+    proc = run_command(
+        tokenfleet_args(
             "demo",
             "--workers",
             "1",
@@ -37,12 +33,11 @@ def test_demo_runs_a_fleet_end_to_end(
             "tiny",
             "--timeout",
             "120",
-        ],
+        ),
+        env,
+        inherit_env=False,
         cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
+        timeout_s=240,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

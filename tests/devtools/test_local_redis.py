@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
+from child_process import run_command
 
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.worker.devtools.local_redis import (
@@ -57,8 +57,6 @@ with lr.ensure_redis(announce=False) as url:
 assert not real(url)
 """
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
+    out = run_command([sys.executable, "-c", code], env, inherit_env=False, timeout_s=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("redis://127.0.0.1:")

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import orjson
 import redis.asyncio
+from waiting import wait_for_async
 
 from tokenfleet.producer.async_client import AsyncClient
 from tokenfleet.producer.gateway.batches import BatchObject, BatchRunner, BatchStore, FileStore
@@ -73,16 +74,18 @@ async def upload_and_create(env: Env, objs: list[Any], endpoint: str = CHAT) -> 
 async def wait_batch(
     env: Env, batch_id: str, done: Callable[[BatchObject], bool], timeout_s: float = 120.0
 ) -> BatchObject:
-    """Poll the batch until ``done(batch)``; AssertionError after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    until = loop.time() + timeout_s
-    while True:
-        b = await env.batches.get(batch_id)
-        if done(b):
-            return b
-        if loop.time() > until:
-            raise AssertionError(f"batch {batch_id} stuck: {b.to_dict()}")
-        await asyncio.sleep(0.05)
+    """Poll the batch until ``done(batch)``; AssertionError with its state after ``timeout_s``."""
+    last: list[BatchObject] = []
+
+    async def reached() -> BatchObject | None:
+        last[:] = [await env.batches.get(batch_id)]
+        return last[0] if done(last[0]) else None
+
+    try:
+        got: BatchObject = await wait_for_async(reached, f"batch {batch_id}", timeout_s, 0.05)
+    except AssertionError as stuck:
+        raise AssertionError(f"{stuck}: stuck at {last[0].to_dict()}") from None
+    return got
 
 
 def final(b: BatchObject) -> bool:

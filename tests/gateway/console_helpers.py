@@ -5,8 +5,6 @@ pretend worker that ends a request ``error`` (its entry goes to the dead letters
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 
 import orjson
 import redis
+from child_process import run_command, tokenfleet_args
 from gateway_helpers import Fleet, start_fleet
 
 from tokenfleet.producer import Client
@@ -47,13 +46,12 @@ def make_keys(r: redis.Redis, settings: Settings) -> ConsoleKeys:
 
 def status_json(redis_url: str, prefix: str) -> dict[str, Any]:
     """``tokenfleet status --json`` run as a user runs it (its own process)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.worker.cli", "status", "--json"],
-        env={**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix},
-        capture_output=True,
-        timeout=60,
-        check=True,
+    out = run_command(
+        tokenfleet_args("status", "--json"),
+        {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": prefix},
+        timeout_s=60,
     )
+    assert out.returncode == 0, out.stderr
     data: dict[str, Any] = orjson.loads(out.stdout)
     return data
 

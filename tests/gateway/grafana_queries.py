@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "deploy" / "grafana"
@@ -54,13 +54,7 @@ def schema_errors(dashboards: dict[str, dict[str, Any]], tmp: Path) -> str:
         "files": files,
     }
     (tmp / "tsconfig.json").write_text(json.dumps(config))
-    out = subprocess.run(
-        ["node", str(TSC), "-p", str(tmp / "tsconfig.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp,
-    )
+    out = run_command(["node", str(TSC), "-p", str(tmp / "tsconfig.json")], cwd=tmp)
     return out.stdout + out.stderr if out.returncode else ""
 
 

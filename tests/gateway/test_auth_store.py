@@ -3,12 +3,12 @@ script's check-and-charge, its headers, refills on a test clock, and settling.""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
 import redis
 from auth_helpers import Clock, with_store
+from waiting import wait_for_async
 
 from tokenfleet.producer.gateway.auth import (
     ApiKey,
@@ -84,17 +84,19 @@ def test_a_revoked_key_is_refused_within_the_bound_real_clock(
         await store.authenticate(presented)  # the store reads and caches the record here
         after_read = time.monotonic()
         admin.revoke(key.key_id)
-        polls = []  # (monotonic before, after, accepted) of each poll
-        deadline = after_read + cache_s + 30
-        while time.monotonic() < deadline:
+        polls: list[tuple[float, float, bool]] = []  # (monotonic before, after, accepted)
+
+        async def refused() -> bool:
             t0 = time.monotonic()
             try:
                 await store.authenticate(presented)
             except AuthError:
                 polls.append((t0, time.monotonic(), False))
-                break
+                return True
             polls.append((t0, time.monotonic(), True))
-            await asyncio.sleep(0.01)
+            return False
+
+        await wait_for_async(refused, "the revoked key to be refused", cache_s + 30, 0.01)
         return before_read, after_read, polls
 
     before_read, after_read, polls = with_store(settings, body, cache_s=cache_s)

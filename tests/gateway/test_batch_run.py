@@ -28,6 +28,7 @@ from batch_helpers import (
 )
 from gateway_helpers import GATEWAY_FLAGS
 from thread_worker import ThreadWorker
+from waiting import wait_for_async
 
 from tokenfleet.producer.gateway.batches import BatchObject, BatchRunner, BatchStore
 from tokenfleet.producer.gateway.batches.driver import BatchDriver
@@ -177,13 +178,19 @@ def test_the_window_bounds_the_batch_queue(bsettings: Settings) -> None:
         runner = env.runner(window=3)
         task = asyncio.create_task(runner.run())
         most = 0
+
+        async def final_else_sampled() -> bool:
+            nonlocal most
+            if (await env.batches.get(b.id)).final:
+                return True
+            pipe = env.r.pipeline(transaction=False)
+            for stream in streams:
+                pipe.xlen(stream)
+            most = max(most, sum(await pipe.execute()))
+            return False
+
         try:
-            while not (await env.batches.get(b.id)).final:
-                pipe = env.r.pipeline(transaction=False)
-                for stream in streams:
-                    pipe.xlen(stream)
-                most = max(most, sum(await pipe.execute()))
-                await asyncio.sleep(0.005)
+            await wait_for_async(final_else_sampled, "the batch to end", poll_s=0.005)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

@@ -4,13 +4,13 @@ random interleavings)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
 import redis
 import redis.asyncio as aredis
 from pool_model import expected_entitlements
+from waiting import wait_for
 
 from tokenfleet.shared.errors import InvalidRequest, PoolError
 from tokenfleet.shared.keys import Keys
@@ -176,12 +176,12 @@ def test_lapsed_lease_returns_blocks_redis_clock(r: redis.Redis, keys: Keys) -> 
     make_pool(r, keys, total_blocks=100, lease_ms=30, clock="redis")
     a, b = member(r, keys, "a"), member(r, keys, "b")
     assert busy(a).held == 90
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline:
+
+    def reclaimed() -> bool:
         b.step(active=False)  # any call reclaims lapsed members; b renews its own lease
-        if not r.hexists(keys.pool_members("p"), "a"):
-            break
-        time.sleep(0.01)
+        return not r.hexists(keys.pool_members("p"), "a")
+
+    wait_for(reclaimed, "a's lapsed lease to be reclaimed", timeout_s=10, poll_s=0.01)
     assert r.hget(keys.pool("p"), "reclaimed_blocks") == b"90"
     assert pool_snapshot(r, keys, "p")["held"] == 0
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ import pytest
 import redis
 import redis.asyncio
 from producer_helpers import FakeWorker
+from waiting import wait_for
 
 from tokenfleet.producer import (
     AsyncClient,
@@ -208,10 +208,12 @@ def test_a_closed_handle_reads_again_on_a_fresh_subscription(
         channel = Keys(settings.key_prefix).channel(rid)
 
         def finish_once_listened_to() -> None:  # the rest comes over the new subscription
-            deadline = time.monotonic() + 20
-            while not r.pubsub_numsub(channel)[0][1]:
-                assert time.monotonic() < deadline, "the handle never subscribed again"
-                time.sleep(0.005)
+            wait_for(
+                lambda: r.pubsub_numsub(channel)[0][1],
+                "the handle to subscribe again",
+                timeout_s=20,
+                poll_s=0.005,
+            )
             worker.emit(rid, 1, ["b"])
             worker.finish(rid, num_tokens=2, text="ab")
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+from child_process import run_command
 from producer_helpers import FakeWorker
 
 from tokenfleet.shared.keys import Keys
@@ -85,15 +84,12 @@ def test_queues_shows_and_sets(redis_url: str, capsys: pytest.CaptureFixture[str
 
 
 def test_installed_entry_point(redis_url: str) -> None:
-    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": "tft"}
-    out = subprocess.run(
+    out = run_command(
         [str(TOKENFLEET), "queues", "--json", "--redis-url", redis_url],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        check=True,
+        {"TOKENFLEET_KEY_PREFIX": "tft"},
+        timeout_s=60,
     )
+    assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
 
 

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import queue
-import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from child_process import ChildProcess
 from producer_helpers import FakeWorker
+from waiting import wait_for
 
 from tokenfleet.producer import AsyncClient, Client
 from tokenfleet.producer.commands.output import describe
@@ -92,70 +89,49 @@ def test_cancel_a_queued_then_a_running_request(
     assert r.sismember(Keys("tft").cancel_set, "k2")  # its worker stops it at its next step
 
 
-class _Lines:
-    """A process's stdout lines, read by a thread, taken with a deadline instead of hanging."""
+def _lines(proc: ChildProcess, count: int) -> list[str]:
+    """Its first ``count`` stdout lines, once it has printed them."""
 
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
-        self.thread.start()
+    def first() -> list[str]:
+        lines = proc.lines()
+        return lines[:count] if len(lines) >= count else []
 
-    def _read(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.put(line)
-
-    def take(self, count: int, timeout_s: float = 60) -> list[str]:
-        deadline = time.monotonic() + timeout_s
-        out: list[str] = []
-        while len(out) < count:
-            try:
-                out.append(self.lines.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                raise AssertionError(f"only {out} within {timeout_s}s") from None
-        return out
+    return list(wait_for(first, f"{count} lines from {proc.log_path.name}", timeout_s=60))
 
 
-def _wait_subscribed(r: redis.Redis, channel: str) -> None:
-    deadline = time.monotonic() + 60
-    while dict(r.pubsub_numsub(channel)).get(channel.encode(), 0) < 1:
-        assert time.monotonic() < deadline, f"nobody subscribed to {channel}"
-        time.sleep(0.01)
+def _subscribed(r: redis.Redis, channel: str) -> bool:
+    return dict(r.pubsub_numsub(channel)).get(channel.encode(), 0) >= 1
 
 
 def test_follow_prints_from_where_it_is_and_rides_a_reconnect(
-    redis_url: str, r: redis.Redis, worker: FakeWorker, capsys: pytest.CaptureFixture[str]
+    redis_url: str,
+    r: redis.Redis,
+    worker: FakeWorker,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     assert main(["submit", "x", "--detach", "--request-id", "f1", "--redis-url", redis_url]) == 0
     capsys.readouterr()
     rid = worker.take()
     worker.emit(rid, 0, ["a", "b"])  # before anyone follows: read from the token list
-    env = {**os.environ, "TOKENFLEET_KEY_PREFIX": "tft"}
-    proc = subprocess.Popen(
+    proc = ChildProcess(
         [str(TOKENFLEET), "follow", "f1", "--json", "--redis-url", redis_url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
+        tmp_path / "follow.out",
+        {"TOKENFLEET_KEY_PREFIX": "tft"},
+        stderr_path=tmp_path / "follow.err",
     )
-    lines = _Lines(proc)
     try:
-        events = [json.loads(line) for line in lines.take(2)]
-        _wait_subscribed(r, Keys("tft").channel("f1"))
+        events = [json.loads(line) for line in _lines(proc, 2)]
+        channel = Keys("tft").channel("f1")
+        wait_for(lambda: _subscribed(r, channel), f"a subscriber to {channel}", timeout_s=60)
         assert r.client_kill_filter(_type="pubsub") >= 1  # the follower's connection drops
         worker.emit(rid, 2, ["c"])  # published while it is down
         worker.emit(rid, 3, ["d"], publish=False)  # only in the list
         worker.finish(rid, num_tokens=4, text="abcd")
-        events += [json.loads(line) for line in lines.take(3)]
-        assert proc.wait(60) == 0, proc.stderr.read() if proc.stderr else ""
+        assert proc.wait(60) == 0, proc.errors()
+        events += [json.loads(line) for line in _lines(proc, 5)[2:]]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        lines.thread.join(10)
-        for pipe in (proc.stdout, proc.stderr):
-            if pipe is not None:
-                pipe.close()
+        proc.close()
     tokens = [e for e in events if e["type"] == "token"]
     assert [e["index"] for e in tokens] == [0, 1, 2, 3]
     assert "".join(e["text"] for e in tokens) == "abcd"

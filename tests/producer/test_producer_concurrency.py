@@ -7,14 +7,17 @@ every refused call raised ``Overloaded``.
 
 from __future__ import annotations
 
-import multiprocessing
+import sys
 import threading
-import time
 from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
+from child_process import ChildProcess
+from waiting import wait_for
 
 from tokenfleet.producer import Client, Overloaded
 from tokenfleet.producer.core import ops
@@ -24,6 +27,7 @@ from tokenfleet.shared.scripts import registry
 from tokenfleet.shared.scripts.queue_stats import QUEUE_STATS
 from tokenfleet.shared.settings import Settings
 
+HERE = Path(__file__).resolve().parent
 BOUND = 5
 PER_PROCESS = 25
 PROCESSES = 8
@@ -54,6 +58,30 @@ def hammer(redis_url: str) -> dict[str, dict[str, list[str]]]:
     return out
 
 
+def _hammer_in_processes(redis_url: str, log_dir: Path) -> list[dict[str, dict[str, list[str]]]]:
+    """:func:`hammer` in PROCESSES processes at once; each one's result."""
+    child = (
+        f"import sys, orjson; sys.path[:0] = {[str(HERE.parent), str(HERE)]!r}; "
+        "from test_producer_concurrency import hammer; "
+        "sys.stdout.buffer.write(orjson.dumps(hammer(sys.argv[1])))"
+    )
+    with ExitStack() as stack:
+        procs = []
+        for i in range(PROCESSES):
+            proc = ChildProcess(
+                [sys.executable, "-c", child, redis_url],
+                log_dir / f"producer-{i}.out",
+                stderr_path=log_dir / f"producer-{i}.err",
+            )
+            stack.callback(proc.close)
+            procs.append(proc)
+        results = []
+        for proc in procs:
+            assert proc.wait(120) == 0, proc.errors()
+            results.append(orjson.loads(proc.output(tail=None)))
+        return results
+
+
 def _waiting(r: redis.Redis, keys: Keys) -> dict[Priority, int]:
     flat: list[str] = []
     for p in POLICIES:
@@ -63,8 +91,8 @@ def _waiting(r: redis.Redis, keys: Keys) -> dict[Priority, int]:
     return {Priority.parse(row.priority): row.waiting for row in rows}
 
 
-def test_bounds_hold_under_concurrent_producers(  # noqa: PLR0915 (one scenario)
-    redis_url: str, r: redis.Redis, keys: Keys, client: Client
+def test_bounds_hold_under_concurrent_producers(
+    redis_url: str, r: redis.Redis, keys: Keys, client: Client, tmp_path: Path
 ) -> None:
     for priority, policy in POLICIES.items():
         client.set_queue_config(priority.label, max_waiting=BOUND, policy=policy)
@@ -93,8 +121,7 @@ def test_bounds_hold_under_concurrent_producers(  # noqa: PLR0915 (one scenario)
     for t in threads:
         t.start()
     try:
-        with multiprocessing.get_context("spawn").Pool(PROCESSES) as pool:
-            results = pool.map(hammer, [redis_url] * PROCESSES)
+        results = _hammer_in_processes(redis_url, tmp_path)
         total = PROCESSES * PER_PROCESS
         dropped_ids: set[str] = set()
         for priority, policy in POLICIES.items():
@@ -122,9 +149,12 @@ def test_bounds_hold_under_concurrent_producers(  # noqa: PLR0915 (one scenario)
                 assert refused == 0 and statuses["dropped"] == total - BOUND
             else:
                 assert refused == total - BOUND
-        deadline = time.monotonic() + 30
-        while len(events) < len(dropped_ids) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(
+            lambda: len(events) >= len(dropped_ids),
+            "a terminal event per dropped request",
+            timeout_s=30,
+            poll_s=0.05,
+        )
     finally:
         stop.set()
         for t in threads:

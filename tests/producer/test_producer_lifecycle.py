@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 from producer_helpers import FakeWorker
+from waiting import wait_for
 
 from tokenfleet.producer import Client, Overloaded, RequestFailed, UnknownRequest
 from tokenfleet.shared.keys import Keys
@@ -52,6 +53,11 @@ def test_submit_many_reports_refusals_in_order(client: Client) -> None:
     ]
 
 
+def _past(deadline: float) -> None:
+    """Until the wall clock is past ``deadline`` (a request's, in epoch seconds)."""
+    wait_for(lambda: time.time() > deadline, "the deadline to pass", poll_s=0.01)
+
+
 def test_waiting_request_expires_for_a_waiting_caller(client: Client) -> None:
     handle = client.submit("late", deadline_s=0.3)
     with pytest.raises(RequestFailed) as failed:
@@ -64,9 +70,7 @@ def test_waiting_request_expires_for_a_waiting_caller(client: Client) -> None:
 def test_status_expires_an_overdue_request(client: Client, r: redis.Redis, keys: Keys) -> None:
     rid = client.submit("late", deadline_s=0.05).request_id
     gc.collect()
-    deadline = float(r.hget(keys.record(rid), "deadline") or 0)
-    while time.time() <= deadline:  # let the deadline pass (polled, bounded by the deadline)
-        time.sleep(0.01)
+    _past(float(r.hget(keys.record(rid), "deadline") or 0))
     assert client.status(rid).status.value == "expired"
     assert r.xlen(keys.stream(*STREAM)) == 0  # its entry is gone
 
@@ -77,9 +81,7 @@ def test_full_queue_reclaims_expired_waiting_requests(
     client.set_queue_config("normal", max_waiting=2, policy="drop_newest")
     stale = client.submit("stale", deadline_s=0.05)
     fresh = client.submit("fresh")
-    deadline = float(r.hget(keys.record(stale.request_id), "deadline") or 0)
-    while time.time() <= deadline:
-        time.sleep(0.01)
+    _past(float(r.hget(keys.record(stale.request_id), "deadline") or 0))
     newest = client.submit("newest")  # the full queue expires the stale one to make room
     assert r.hget(keys.record(stale.request_id), "status") == b"expired"
     with pytest.raises(RequestFailed, match="expired"):
@@ -93,9 +95,7 @@ def test_full_queue_reclaims_expired_waiting_requests(
 def test_deadline_does_not_touch_started_requests(client: Client, worker: FakeWorker) -> None:
     handle = client.submit("x", deadline_s=0.2)
     rid = worker.take()
-    deadline = client.status(rid).deadline or 0
-    while time.time() <= deadline:  # past the deadline while running: must not expire
-        time.sleep(0.01)
+    _past(client.status(rid).deadline or 0)  # past the deadline while running: must not expire
     assert client.status(rid).status.value == "running"
     worker.emit(rid, 0, ["y"])
     worker.finish(rid, num_tokens=1)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 
 import pytest
 import redis
+from waiting import wait_for
 
 from tokenfleet.producer import AsyncClient, Client, Handle, ModelInfo, ModelNotServed
 from tokenfleet.shared.keys import Keys
@@ -26,14 +26,6 @@ def _beat(r: redis.Redis, settings: Settings, model: str, ttl_s: float = 30.0) -
     heartbeat = Heartbeat(r, settings, worker_name=f"w-{model}", model_name=model, ttl_s=ttl_s)
     heartbeat.beat({"model": model, "running": 0})  # a worker's stats name its model
     return heartbeat
-
-
-def _poll(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def test_an_empty_fleet_accepts_any_model_and_says_it_waits(client: Client) -> None:
@@ -146,7 +138,7 @@ def test_expiry_makes_a_model_unserved_again(
     def lapsed() -> bool:
         return not any(m.served for m in client.models() if m.name == "brief")
 
-    _poll(lapsed, "the served entry of 'brief' to lapse")
+    wait_for(lapsed, "the served entry of 'brief' to lapse", timeout_s=30)
     [info] = [m for m in client.models() if m.name == "brief"]
     assert info.expires_at is not None and info.expires_at <= time.time()
     with pytest.raises(ModelNotServed):

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
+from waiting import wait_for
 
 from tokenfleet.producer import Client, Overloaded, RequestFailed
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
@@ -127,9 +127,9 @@ def test_block_submit_proceeds_when_room_appears(
     before = enqueue_calls()
     thread = threading.Thread(target=blocked_submit)
     thread.start()
-    deadline = time.monotonic() + 30
-    while enqueue_calls() < before + 2 and time.monotonic() < deadline:
-        time.sleep(0.005)  # until the submitter has been refused at least once
+    wait_for(  # until the submitter has been refused at least once
+        lambda: enqueue_calls() >= before + 2, "a refused submit", timeout_s=30, poll_s=0.005
+    )
     assert enqueue_calls() >= before + 2 and not done
     r.xreadgroup(CONSUMER_GROUP, "w1", {stream: ">"}, count=1)  # frees the slot
     thread.join(30)

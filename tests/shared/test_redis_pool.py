@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from waiting import wait_for_async
 
 from tokenfleet.shared.redis_connect import async_redis_client
 from tokenfleet.shared.settings import Settings
@@ -53,10 +54,11 @@ def test_a_client_at_its_limit_waits_for_a_connection(settings: Settings) -> Non
             other = redis.Redis.from_url(settings.redis_url)
             first = _task(client.blpop([key + "1"], timeout=30))
             second = _task(client.blpop([key + "2"], timeout=30))
-            deadline = asyncio.get_running_loop().time() + 10
-            while sum(c.get("cmd") == "blpop" for c in other.client_list()) < 2:
-                assert asyncio.get_running_loop().time() < deadline, "the BLPOPs never blocked"
-                await asyncio.sleep(0.01)  # both connections of the pool are now taken
+
+            async def both_blocked() -> bool:  # both connections of the pool are now taken
+                return sum(c.get("cmd") == "blpop" for c in other.client_list()) >= 2
+
+            await wait_for_async(both_blocked, "the BLPOPs to block", timeout_s=10, poll_s=0.01)
             third = _task(client.ping())  # no free connection: waits, not fails
             await asyncio.sleep(0.1)
             assert not third.done()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import redis
+from waiting import wait_for
 
 from tokenfleet.shared.block_hash import hash_block
 from tokenfleet.shared.keys import CONSUMER_GROUP, Keys
@@ -426,9 +427,6 @@ def test_an_overflow_worker_claims_a_dead_workers_entry_only_past_its_threshold(
     overflow.dead_for_s = 0.3
     found_dead_at = time.monotonic()
     assert overflow.claim(4) == []  # a regular claimer would take it now
-    deadline = time.monotonic() + 10
-    while not (claimed := overflow.claim(4)):
-        assert time.monotonic() < deadline, "the overflow worker never claimed the entry"
-        time.sleep(0.02)
+    claimed = wait_for(lambda: overflow.claim(4), "the overflow worker to claim", timeout_s=10)
     assert time.monotonic() - found_dead_at >= 0.3
     assert [e.entry_id for e in claimed] == [entry_id]
