@@ -16,6 +16,8 @@ every sequence opens a new KV block once per cycle, as in a real decode.
 * tokenfleet, quantized (``--quantization``, default int4; ``none`` leaves the side out): the
   same runner with its linear layers executed as int4/int8 weights (issue 31); its logits differ
   from the others by that rounding (the difference is printed, not required to be zero).
+  ``--compare-forward`` adds it once more run through the model's own forward instead of the
+  runner's fast decoder loop (``fast_forward.py``): the same logits, the loop's saving.
 
 Every other side computes the same logits (checked first). Repetitions are interleaved and
 their order alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; medians
@@ -84,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="wall: perf_counter; cpu: this thread's CPU time (needs --threads 1; steadier when "
         "other processes share the cores, since waiting for a core is not counted)",
     )
+    parser.add_argument(
+        "--compare-forward",
+        action="store_true",
+        help="add the quantized side once more, run through the model's own forward instead of "
+        "the runner's fast decoder loop (fast_forward.py)",
+    )
     add_record_flag(parser)
     return parser
 
@@ -96,6 +104,7 @@ def tokenfleet_side(
     *,
     shuffled: bool,
     quantization: str = "none",
+    fast_forward: bool = True,
 ) -> Side:
     from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
     from tokenfleet.worker.engine.block_manager import BlockManager
@@ -105,7 +114,8 @@ def tokenfleet_side(
     per_seq = -(-(max(lengths) + bs) // bs)
     pool = 2 * batch * per_seq
     runner = ModelRunner(model_dir, device=args.device, dtype="float32", block_size=bs,
-                         num_kv_blocks=pool, quantization=quantization)  # fmt: skip
+                         num_kv_blocks=pool, quantization=quantization,
+                         fast_forward=fast_forward)  # fmt: skip
     if shuffled:  # worst case: no two consecutive blocks of a table adjacent in memory
         blocks = list(range(pool))
         random.Random(args.seed).shuffle(blocks)
@@ -137,7 +147,8 @@ def tokenfleet_side(
         return runner.execute(StepBatch(list(seqs)))  # a fresh batch per step, as in the engine
 
     if quantization != "none":
-        return Side(f"tokenfleet, {runner.quantization.applied}", step)
+        name = f"tokenfleet, {runner.quantization.applied}"
+        return Side(name if fast_forward else name + MODEL_FORWARD, step)
     return Side(SHUFFLED if shuffled else OURS, step)
 
 
@@ -192,6 +203,7 @@ OURS = "tokenfleet, BlockManager tables"
 # the quantized side ÷ HF sdpa (the third); each row is written by its own command
 HEADLINE_KEYS = ("decode-step", "smollm2-decode", "smollm2-decode-int4")
 SHUFFLED = "tokenfleet, shuffled tables"
+MODEL_FORWARD = ", model forward"  # suffix of the quantized side without the fast decoder loop
 
 
 def floor_side(
@@ -237,11 +249,14 @@ def measure(
         for shuffled in (False, True)
     ]
     if args.quantization != "none":
-        sides.append(
+        quantization = args.quantization
+        sides += [
             tokenfleet_side(
-                model_dir, prompts, lengths, args, shuffled=False, quantization=args.quantization
-            )
-        )
+                model_dir, prompts, lengths, args, shuffled=False, quantization=quantization,
+                fast_forward=fast,
+            )  # fmt: skip
+            for fast in ((True, False) if args.compare_forward else (True,))
+        ]
     sides += [
         hf_side(model_dir, impl, prompts, lengths, args.block_size, args.device)
         for impl in ("sdpa", "eager")
@@ -359,7 +374,14 @@ def vs_hf(times: dict[str, list[float]], side: str) -> float:
 def quantized_side(times: dict[str, list[float]]) -> str | None:
     """The quantized tokenfleet side's name (``tokenfleet, <mode applied>``), if it ran."""
     return next(
-        (n for n in times if n.startswith("tokenfleet, ") and n not in (OURS, SHUFFLED)), None
+        (
+            n
+            for n in times
+            if n.startswith("tokenfleet, ")
+            and n not in (OURS, SHUFFLED)
+            and not n.endswith(MODEL_FORWARD)
+        ),
+        None,
     )
 
 

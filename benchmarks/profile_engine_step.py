@@ -88,23 +88,31 @@ def instrument(engine: Any, clock: Clock) -> None:
         paged_attention_forward,
     )
 
-    AttentionInterface.register(
-        ATTN_IMPLEMENTATION, clock.wrap("attention (paged function)", paged_attention_forward)
-    )
+    timed_attention = clock.wrap("attention (paged function)", paged_attention_forward)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, timed_attention)
     runner = engine.runner
+    fast = runner.fast  # the fast decoder loop (fast_forward.py) calls modules' parts itself
+    if fast is not None:
+        fast.attention = timed_attention
+        runner._forward = clock.wrap("model forward", runner._forward)
     runner._build_step = clock.wrap("step index tensors", runner._build_step)
     engine.scheduler.schedule = clock.wrap("scheduling", engine.scheduler.schedule)
     engine.sampler.sample = clock.wrap("sampling", engine.sampler.sample)
     engine._postprocess = clock.wrap("post-processing (incl. sampling)", engine._postprocess)
     model = runner.model
-    clock.hook("model forward", model)
+    if fast is None:
+        clock.hook("model forward", model)
     clock.hook("LM head", model.lm_head)
     for layer in model.model.layers:
         attn = layer.self_attn
         for name in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"):  # fused or not
             if hasattr(attn, name):
                 clock.hook("q/k/v/o projections", getattr(attn, name))
-        clock.hook("MLP", layer.mlp)
+        if fast is None:
+            clock.hook("MLP", layer.mlp)
+        else:  # its products (the activation and product between them count as the rest)
+            clock.hook("MLP", layer.mlp.gate_up_proj)
+            clock.hook("MLP", layer.mlp.down_proj)
 
 
 def main() -> None:

@@ -9,6 +9,7 @@ them as one batch; logits come back in the order of the batch's sequences.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
+from tokenfleet.worker.engine.fast_forward import FastForward
 from tokenfleet.worker.engine.fusion import fuse_projections
 from tokenfleet.worker.engine.kv_sizing import DEFAULT_KV_TOKENS, kv_pool_blocks
 from tokenfleet.worker.engine.paged_attention import (
@@ -33,6 +35,8 @@ from tokenfleet.worker.engine.quantization import (
     quantize_model,
     resolve_mode,
 )
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -131,6 +135,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         quantization: str = "none",
         trust_remote_code: bool = False,
+        fast_forward: bool = True,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -205,6 +210,8 @@ class ModelRunner:
             device=self.device,
         )
         self.eos_token_ids = self._eos_token_ids()
+        # The decoder loop without transformers' plumbing (fast_forward.py), where it applies.
+        self.fast: FastForward | None = FastForward.build(self.model) if fast_forward else None
         self.vocab_size = self._smoke_test(model_type, num_layers)
 
     @staticmethod
@@ -255,6 +262,16 @@ class ModelRunner:
             )
         if reason is not None:
             raise UnsupportedModel(f"model type {model_type!r} is not supported: {reason}")
+        if self.fast is not None:  # it must compute the model's own logits, bit for bit
+            fast = self._forward(self._build_step([probe_seq]), [len(tokens) - 1])
+            if not torch.equal(fast, logits):
+                log.warning(
+                    "model type %r: the fast decoder loop's logits differ from the model's "
+                    "forward (max %.2e); running the model's forward",
+                    model_type,
+                    float((fast - logits).abs().max()),
+                )
+                self.fast = None
         # Clean the blocks the probe wrote (nobody owns them yet, but keep the pool pristine).
         for layer in self.cache.layers:
             layer[:, :, :num_blocks].zero_()
@@ -339,12 +356,15 @@ class ModelRunner:
 
     def _forward(self, step: PagedStep, keep: list[int]) -> torch.Tensor:
         """One packed forward; logits of the packed token indices ``keep``, as float32."""
+        keep_ids = torch.tensor(keep, dtype=torch.long, device=self.device)
         with torch.inference_mode():
+            if self.fast is not None and step.probe is None:
+                return self.fast(step, keep_ids).float()
             out = self.model(
                 input_ids=step.input_ids,
                 position_ids=step.position_ids,
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=self.device),
+                logits_to_keep=keep_ids,
                 **{STEP_KWARG: step},
             )
         return out.logits[0].float()
