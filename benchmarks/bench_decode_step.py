@@ -252,9 +252,14 @@ def measure(
         quantization = args.quantization
         sides += [
             tokenfleet_side(
-                model_dir, prompts, lengths, args, shuffled=False, quantization=quantization,
+                model_dir,
+                prompts,
+                lengths,
+                args,
+                shuffled=False,
+                quantization=quantization,
                 fast_forward=fast,
-            )  # fmt: skip
+            )
             for fast in ((True, False) if args.compare_forward else (True,))
         ]
     sides += [

@@ -80,7 +80,7 @@ class _Layer:
         self.act_dtype: torch.dtype | None = getattr(mlp, ACT_DTYPE, None)
 
 
-def _same_forward(obj: Any, reference: type) -> bool:
+def _same_forward(obj: Any, reference: Any) -> bool:
     """Whether ``obj`` runs ``reference``'s forward (its class's, the same bytecode)."""
     return "forward" not in vars(obj) and fusion._same_code(type(obj).forward, reference.forward)
 
@@ -158,7 +158,7 @@ class FastForward:
         sin = (sin[0].unsqueeze(-2)) * self.sign
         num_tokens, width = hidden.shape
         head_dim, half = self.head_dim, self.head_dim // 2
-        kwargs = {STEP_KWARG: step}
+        kwargs: dict[str, Any] = {STEP_KWARG: step}
         for layer in self.layers:
             x = F.rms_norm(hidden, (width,), layer.norm_in.weight, layer.eps_in)
             qkv = layer.qkv(x)
