@@ -43,9 +43,7 @@ def test_it_computes_the_model_forwards_logits_bit_for_bit(tiny_llama_dir: Path)
         assert torch.equal(mine, theirs)  # the same K/V written
 
 
-def test_it_applies_only_to_joined_llama_layers(
-    tiny_llama_dir: Path, tiny_qwen2_dir: Path
-) -> None:
+def test_it_applies_only_to_joined_llama_layers(tiny_llama_dir: Path, tiny_qwen2_dir: Path) -> None:
     """An unquantized model keeps q/k/v apart (nothing joined); Qwen2's attention is its own."""
     assert runner(tiny_llama_dir, True, quantization="none").fast is None
     assert runner(tiny_qwen2_dir, True).fast is None
