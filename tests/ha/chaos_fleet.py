@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +21,7 @@ from typing import Any
 import httpx
 import orjson
 import redis
+from child_process import ChildProcess, tokenfleet_args
 from ha_checks import gateway_process
 from ha_helpers import DEADLINE_S, wait_for
 
@@ -52,34 +50,23 @@ def reference_runs(engine: Any, max_tokens: int = MAX_TOKENS) -> dict[str, list[
     return {p: list(run.token_ids) for p, run in zip(PROMPTS, runs, strict=True)}
 
 
-class ChaosWorker:
+class ChaosWorker(ChildProcess):
     """A real ``tokenfleet worker`` reaching Redis through ``flags`` (standalone, sentinel or
-    cluster), with the default settings but for quick heartbeats and claims."""
+    cluster), with the default settings but for quick heartbeats and claims; killed (SIGKILL)
+    at :meth:`close`."""
 
     def __init__(
         self, model_dir: Path, flags: list[str], prefix: str, name: str, log_dir: Path
     ) -> None:
         self.name = name
-        self.log_path = log_dir / f"{name}.log"
         env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
         for var in ("REDIS_URL", "TOKENFLEET_MODEL", "TOKENFLEET_REDIS_MODE"):
             env.pop(var, None)
-        args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model",
-                str(model_dir), "--name", name, "--threads", "1", "--heartbeat-ttl-s", "2",
-                "--claim-idle-s", "0.5", "--claim-interval-s", "0.5", "--max-num-seqs", "4",
-                *flags]  # fmt: skip
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(args, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()
+        args = tokenfleet_args("worker", "--model", str(model_dir), "--name", name,
+                               "--threads", "1", "--heartbeat-ttl-s", "2", "--claim-idle-s",
+                               "0.5", "--claim-interval-s", "0.5", "--max-num-seqs", "4",
+                               *flags)  # fmt: skip
+        super().__init__(args, log_dir / f"{name}.log", env, inherit_env=False)
 
 
 @dataclass
@@ -271,9 +258,9 @@ class ChaosFleet:
                 assert rec.num_tokens == h.max_tokens, (rid, rec.num_tokens)
                 assert r.llen(self.keys.tokens(rid)) == rec.num_tokens, rid
                 assert rec.text == text_of[h.prompt, h.max_tokens], rid
-        logs = "".join(w.output() for w in self.workers)
+        logs = "".join(w.output(tail=None) for w in self.workers)
         for w in self.workers:
-            assert w.proc.poll() is None, f"worker {w.name} exited:\n{w.output()[-4000:]}"
+            assert w.alive(), f"worker {w.name} exited:\n{w.output(tail=4000)}"
         assert "inconsistent state" not in logs and "Traceback" not in logs, logs[-6000:]
         repaired = sum(int(m.group(1)) for m in _REPAIRED.finditer(logs))
         repairs = len(_REPAIRED.findall(logs))
@@ -313,8 +300,7 @@ def heartbeat_of(inspect: Callable[[], redis.Redis], keys: Keys) -> Callable[[Ch
     """``ready`` for :func:`chaos_fleet`: the worker's heartbeat is in Redis."""
 
     def ready(w: ChaosWorker) -> bool:
-        if w.proc.poll() is not None:
-            raise AssertionError(f"worker {w.name} exited early:\n{w.output()[-4000:]}")
+        w.check_alive(f"worker {w.name}")
         try:
             with inspect() as r:
                 return bool(r.exists(keys.worker(w.name)))

@@ -95,19 +95,18 @@ def test_a_failover_mid_run_loses_no_request_and_no_token(  # noqa: PLR0915 (one
         after = 0
         while after < 5:
             rid = f"late-{len(late)}"
-            deadline = time.monotonic() + DEADLINE_S
-            while True:
+
+            def stands(rid: str = rid) -> Any:
                 try:
-                    late.append(
-                        client.submit(rid, request_id=rid, max_tokens=LATE_TOKENS, ignore_eos=True)
+                    return client.submit(
+                        rid, request_id=rid, max_tokens=LATE_TOKENS, ignore_eos=True
                     )
-                    break
                 except redis.ConnectionError:  # the switch: the same request again
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
+                    return None
+
+            late.append(wait_for(stands, f"{rid} to be accepted", poll_s=0.05))
             after += switched.is_set()
-            time.sleep(0.05)
+            time.sleep(0.05)  # the pace of submits (one every 50 ms), not a wait
 
     def follow(handle: Any) -> None:
         try:
