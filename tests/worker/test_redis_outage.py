@@ -133,7 +133,7 @@ class Fleet:
 
     def check_workers_alive(self) -> None:
         for w in self.workers:
-            assert w.proc.poll() is None, f"worker {w.name} exited:\n{w.output()}"
+            assert w.alive(), f"worker {w.name} exited:\n{w.output()}"
             assert "Traceback" not in w.output(), w.output()
 
 

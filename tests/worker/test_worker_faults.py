@@ -48,7 +48,7 @@ def test_step_exception_errors_affected_requests_then_exits_when_broken(
         # the worker keeps serving
         enqueue(rr, keys, make_request("good", sampling=SamplingParams(max_tokens=3)))
         assert log.wait_terminal("good").status == "done"
-        assert w.proc.poll() is None
+        assert w.alive()
         # MAX_CONSECUTIVE_STEP_FAILURES failed steps in a row: exit for the supervisor
         for i in range(1, MAX_CONSECUTIVE_STEP_FAILURES + 1):
             rid = f"fault-{i}"

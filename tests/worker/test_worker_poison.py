@@ -64,7 +64,7 @@ def _assert_freed_and_serving(rr: redis.Redis, worker: WorkerProc, rid: str) -> 
     log = subscribe(rr, KEYS, [after])
     enqueue(rr, KEYS, make_request(after, sampling=SHORT))
     assert log.wait_terminal(after).status == "done"
-    assert worker.proc.poll() is None
+    assert worker.alive()
     assert "held by another worker" not in worker.output()
 
 

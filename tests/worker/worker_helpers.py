@@ -161,11 +161,14 @@ def subscribe(r: redis.Redis, keys: Keys, rids: Sequence[str]) -> ChannelLog:
     ps.subscribe(*[keys.channel(rid) for rid in rids])
     # wait for the subscribe confirmations so nothing published after this is missed
     confirmed = 0
-    deadline = time.monotonic() + 10
-    while confirmed < len(rids) and time.monotonic() < deadline:
+
+    def all_confirmed() -> bool:
+        nonlocal confirmed
         msg = ps.get_message(timeout=0.1)
-        if msg and msg["type"] == "subscribe":
-            confirmed += 1
+        confirmed += bool(msg and msg["type"] == "subscribe")
+        return confirmed >= len(set(rids))  # (redis-py subscribes a channel once)
+
+    wait_for(all_confirmed, "the subscribe confirmations", timeout_s=10, poll_s=0)
     return ChannelLog(ps)
 
 
