@@ -8,8 +8,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from child_process import ChildProcess, free_port, tokenfleet_args
+from child_process import ChildProcess, free_port, run_command, tokenfleet_args
 from ha_helpers import HAWorker
 from waiting import DEADLINE_S, wait_for
 
@@ -40,8 +38,7 @@ def _cli(prefix: str, redis_flags: list[str], *args: str) -> str:
     """A ``tokenfleet`` command with ``redis_flags`` (no REDIS_URL in its environment)."""
     env = {**os.environ, "TOKENFLEET_KEY_PREFIX": prefix}
     env.pop("REDIS_URL", None)
-    cmd = tokenfleet_args(*args, *redis_flags)
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    done = run_command(tokenfleet_args(*args, *redis_flags), env, inherit_env=False)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -139,11 +136,10 @@ def _check_batch(sdk: openai.OpenAI, prompt: str) -> None:
     final = ("completed", "failed", "expired", "cancelled")
 
     def ended() -> Any:
-        time.sleep(0.2)  # (an HTTP call per poll)
         b = sdk.batches.retrieve(batch.id)
         return b if b.status in final else None
 
-    done = wait_for(ended, "the batch to end")
+    done = wait_for(ended, "the batch to end", poll_s=0.2)  # (an HTTP call per poll)
     assert done.status == "completed", done
     assert done.output_file_id is not None
     lines = sdk.files.content(done.output_file_id).text.splitlines()

@@ -94,7 +94,7 @@ def test_the_documented_roles_run_a_fleet_on_the_cluster(
             key_prefix=PREFIX,
         )
         with Client.from_url(settings=settings) as client:
-            wait_for(lambda: worker.proc.poll() is None and client.models(), "the worker")
+            wait_for(lambda: worker.alive() and client.models(), "the worker")
             handle = client.submit("ACL on a cluster", max_tokens=8, ignore_eos=True)
             events = list(handle.stream(timeout=DEADLINE_S))
             assert handle.result(timeout=DEADLINE_S).token_ids and len(events) == 9
@@ -105,6 +105,6 @@ def test_the_documented_roles_run_a_fleet_on_the_cluster(
                 "the cancel",
             )
         assert denials(redis_cluster, {"tf-worker", "tf-producer"}) == []
-        assert worker.proc.poll() is None, worker.output()
+        assert worker.alive(), worker.output()
     finally:
         worker.close()

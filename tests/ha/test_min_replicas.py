@@ -77,7 +77,7 @@ def test_a_primary_without_replicas_refuses_writes_and_the_fleet_waits(
         handle = client.submit("Refused writes", max_tokens=MAX_TOKENS, ignore_eos=True)
         stream = handle.stream(timeout=DEADLINE_S)
         events.append(next(stream))  # it runs
-        os.kill(worker.proc.pid, signal.SIGSTOP)  # held mid-request: it cannot end meanwhile
+        worker.signal(signal.SIGSTOP)  # held mid-request: it cannot end meanwhile
         os.kill(guarded.procs[replica].pid, signal.SIGSTOP)
         submitter = threading.Thread(target=submit_late, args=(client,))
         try:
@@ -91,7 +91,7 @@ def test_a_primary_without_replicas_refuses_writes_and_the_fleet_waits(
 
             wait_for(refused, "the primary to refuse writes")
             submitter.start()
-            os.kill(worker.proc.pid, signal.SIGCONT)
+            worker.signal(signal.SIGCONT)
             wait_for(lambda: "lost Redis" in worker.output(), "the worker to pause as in an outage")
             rec = RequestRecord.from_hash(
                 handle.request_id, direct.hgetall(keys.record(handle.request_id))
@@ -99,12 +99,12 @@ def test_a_primary_without_replicas_refuses_writes_and_the_fleet_waits(
             assert rec is not None and rec.status == "running", rec  # paused, not ended
             assert submitter.is_alive() and not late and not errors  # waiting, not failed
         finally:
-            os.kill(worker.proc.pid, signal.SIGCONT)
+            worker.signal(signal.SIGCONT)
             os.kill(guarded.procs[replica].pid, signal.SIGCONT)
         events.extend(stream)
         submitter.join(DEADLINE_S)
         assert not errors, errors
-    assert worker.proc.poll() is None, worker.output()  # the worker rode it out
+    assert worker.alive(), worker.output()  # the worker rode it out
     idx = [e.index for e in events if isinstance(e, TokenEvent)]
     assert idx == list(range(MAX_TOKENS)), idx
     ends = [e for e in events if isinstance(e, TerminalEvent)]

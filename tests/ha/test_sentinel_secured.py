@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+from child_process import run_command, tokenfleet_args
 from ha_helpers import HAWorker, ha_settings
 from waiting import DEADLINE_S, wait_for
 
@@ -135,9 +134,9 @@ def run_cli(setup: LocalSentinel, tls: TlsFiles, *args: str) -> object:
         "TOKENFLEET_SENTINEL_TLS": "1",
     }
     env.pop("REDIS_URL", None)
-    cmd = [sys.executable, "-m", "tokenfleet.worker.cli", *args, "--redis-url", secured_url(tls),
-           "--redis-mode", "sentinel", "--sentinels", setup.sentinels,
-           "--sentinel-service", setup.service]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    cmd = tokenfleet_args(*args, "--redis-url", secured_url(tls), "--redis-mode", "sentinel",
+                          "--sentinels", setup.sentinels,
+                          "--sentinel-service", setup.service)  # fmt: skip
+    done = run_command(cmd, env, inherit_env=False)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
