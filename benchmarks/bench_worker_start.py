@@ -2,14 +2,16 @@
 
 Side by side in one run, each a fresh process (``--rounds`` of each, alternating):
 
-* ``worker, warm cache``: ``tokenfleet worker --model MODEL`` until its heartbeat is in Redis
-  (model resolved from the conversion cache, loaded, smoke-tested, KV cache allocated);
+* ``worker, warm cache (default: --quantization auto)``: ``tokenfleet worker --model MODEL``
+  with its default settings until its heartbeat is in Redis (model resolved from the conversion
+  cache, loaded, its linear layers quantized to the file's own precision, smoke-tested, KV
+  cache allocated; SmolLM2's Q4_1 file runs as int4, issue 31);
+* ``worker, warm cache, --quantization none``: the same worker running the file's weights
+  dequantized to float32 (the default before issue 31);
 * ``from_pretrained only``: a bare Python process that imports transformers and loads the same
   folder with ``AutoModelForCausalLM.from_pretrained`` (the floor a worker's load cannot beat);
-* ``worker, warm cache, --quantization auto``: the same worker executing the file's own
-  precision (SmolLM2's Q4_1 file: int4 linear layers, quantized while it loads; issue 31);
-* ``worker, cold cache`` (once, first): the same worker with an empty conversion cache, so its
-  start includes converting the GGUF file.
+* ``worker, cold cache`` (once, first): the default worker with an empty conversion cache, so
+  its start includes converting the GGUF file.
 
 Peak resident memory is the process's ``VmHWM`` (Linux). Run::
 
@@ -50,14 +52,14 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def start_worker(
-    model: str, url: str, cache: Path, name: str, quantization: str = "none"
+    model: str, url: str, cache: Path, name: str, quantization: str | None = None
 ) -> tuple[float, float]:
     """Seconds from spawn to heartbeat, and peak RSS in MiB, of one worker."""
     env = {**os.environ, "REDIS_URL": url, "TOKENFLEET_MODEL_CACHE": str(cache)}
     env["TOKENFLEET_KEY_PREFIX"] = PREFIX
     args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", model]
     args += ["--name", name, "--threads", "1", "--log-level", "WARNING"]
-    args += ["--quantization", quantization]
+    args += ["--quantization", quantization] if quantization else []  # None: the default
     r = redis.Redis.from_url(url)
     started = time.perf_counter()
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -112,12 +114,12 @@ def main() -> None:
         warm = cache_root()
         folder = resolve_model(args.model, cache=warm)
         for i in range(args.rounds):
-            sides = [WARM, WARM_AUTO, "from_pretrained only"]
+            sides = [WARM, WARM_NONE, "from_pretrained only"]
             for name in sides if i % 2 == 0 else sides[::-1]:
                 if name == WARM:
                     result = start_worker(args.model, server.url, warm, f"w{i}")
-                elif name == WARM_AUTO:
-                    result = start_worker(args.model, server.url, warm, f"q{i}", "auto")
+                elif name == WARM_NONE:
+                    result = start_worker(args.model, server.url, warm, f"f{i}", "none")
                 else:
                     result = load_only(folder)
                 rows.setdefault(name, []).append(result)
@@ -139,18 +141,23 @@ def main() -> None:
 
 
 HEADLINE_KEYS = ("worker-start",)  # its row in benchmarks/RESULTS.md
-WARM, COLD = "worker, warm cache", "worker, cold cache (converts)"
-WARM_AUTO = "worker, warm cache, --quantization auto"
+WARM, COLD = "worker, warm cache (default: --quantization auto)", "worker, cold cache (converts)"
+WARM_NONE = "worker, warm cache, --quantization none"
 
 
 def headline(rows: dict[str, list[tuple[float, float]]]) -> str:
-    """The row's figure: warm start (median s); its peak RSS (median GiB); the cold start."""
-    warm = rows[WARM]
-    text = (
-        f"{statistics.median(t for t, _ in warm):.2f} s; "
-        f"{statistics.median(m for _, m in warm) / 1024:.2f} GiB"
-    )
-    return text + (f"; cold {rows[COLD][0][0]:.1f} s" if COLD in rows else "")
+    """The row's figure: the default worker's warm start (median s) and peak RSS (median GiB),
+    the cold start; in brackets the same two with ``--quantization none``."""
+
+    def start_and_rss(name: str) -> str:
+        runs = rows[name]
+        return (
+            f"{statistics.median(t for t, _ in runs):.2f} s; "
+            f"{statistics.median(m for _, m in runs) / 1024:.2f} GiB"
+        )
+
+    text = start_and_rss(WARM) + (f"; cold {rows[COLD][0][0]:.1f} s" if COLD in rows else "")
+    return text + f" (none: {start_and_rss(WARM_NONE)})"
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ real call (module forward hooks, wrapped methods), so the split adds a few micro
 to what it measures; the total is also measured without any hook, and the table gives both.
 
     .venv/bin/python benchmarks/profile_engine_step.py --model smollm2 --threads 1
-    .venv/bin/python benchmarks/profile_engine_step.py --requests 1 --quantization auto  # batch 1
+    .venv/bin/python benchmarks/profile_engine_step.py --requests 1  # batch 1
+    .venv/bin/python benchmarks/profile_engine_step.py --quantization none  # dequantized, float32
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-batched-tokens", type=int, default=512)
     parser.add_argument(
-        "--quantization", default="none", help="none | int8 | int4 | auto (the engine's setting)"
+        "--quantization", default="auto", help="auto | none | int8 | int4 (the engine's setting)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

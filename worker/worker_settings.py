@@ -109,12 +109,13 @@ class WorkerSettings:
         "matmuls are slower)",
     )
     quantization: str = setting(
-        "none",
+        "auto",
         env="TOKENFLEET_QUANTIZATION",
         flag="--quantization",
         choices=QUANTIZATION_MODES,
-        help="linear weights on a CPU: as loaded, int8 or int4 (weight-only), or auto: a GGUF "
-        "file's own precision (Q4_x -> int4, Q8_0 -> int8, float -> none)",
+        help="linear weights on a CPU: auto keeps a GGUF file's own precision (Q4_x -> int4, "
+        "Q8_0 -> int8; a float model, or a CUDA device, runs as loaded); none runs as loaded; "
+        "int8 or int4 quantize at load (weight-only)",
         see=("Quantization", "quantization.md"),
     )
     max_num_seqs: int = setting(

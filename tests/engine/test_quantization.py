@@ -10,6 +10,7 @@ import logging
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from tokenfleet.worker.engine.quantization import (
     kernels_available,
     mode_for_gguf_type,
 )
+from tokenfleet.worker.engine.request import SamplingParams
 from tokenfleet.worker.worker_settings import WorkerSettings
 
 LOGGER = "tokenfleet.worker.engine.quantization"
@@ -128,7 +130,13 @@ def test_the_flag_and_variable_reach_the_engine() -> None:
         {"TOKENFLEET_QUANTIZATION": "int8"}, model="m", quantization="auto"
     )
     assert flag.quantization == "auto"  # the flag wins
-    assert WorkerSettings.from_env({}, model="m").quantization == "none"
+    default = WorkerSettings.from_env({}, model="m")
+    assert default.quantization == "auto"  # a GGUF file's own precision, unless told otherwise
+    assert (
+        EngineConfig().quantization
+        == "auto"
+        == EngineConfig(**default.engine_overrides()).quantization
+    )
     with pytest.raises(SettingsError, match=r"quantization.*int4"):
         WorkerSettings.from_env({"TOKENFLEET_QUANTIZATION": "int3"}, model="m")
     with pytest.raises(ValueError, match="quantization must be one of"):
@@ -201,7 +209,7 @@ def test_a_model_that_cannot_run_int4_falls_back_with_one_line(
     assert "model type 'llama' cannot be executed as int4" in lines[0]
     assert "in_features % 32" in lines[0] and "running its weights as loaded" in lines[0]
     assert runner.quantization.applied == "none"
-    assert runner.quantization.describe() == "none (fallback)"
+    assert runner.quantization.describe().startswith("none (int4 fell back: none of its")
     assert type(runner.model.model.layers[0].mlp.gate_up_proj) is nn.Linear
     assert type(runner.model.lm_head) is nn.Linear and runner.quantization.head == "as loaded"
     assert torch.isfinite(last_logits(runner, [1, 2, 3])).all()  # and it still serves
@@ -212,15 +220,68 @@ def test_auto_keeps_the_file_precision(
 ) -> None:
     assert file_precision(tiny_llama_dir) is None  # not converted from a GGUF file
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        plain = ModelRunner(tiny_llama_dir, num_kv_blocks=4, quantization="auto")
+        plain = ModelRunner(tiny_llama_dir, num_kv_blocks=4)  # the default: auto
     assert plain.quantization.applied == "none" and caplog.records == []  # float: nothing to say
-    q4 = shutil.copytree(tiny_llama_dir, tmp_path / "q4")
-    source = {"gguf": "/gone.gguf", "linear_types": {"Q4_1": 28, "Q8_0": 1}}
-    (q4 / SOURCE_FILE).write_text(json.dumps(source))
+    assert plain.quantization.describe() == "none (auto: not a quantized GGUF file)"
+    assert type(plain.model.lm_head) is nn.Linear and not plain.fused.get("qkv")  # as loaded
+    q4 = q4_copy(tiny_llama_dir, tmp_path / "q4")
     assert file_precision(q4) == "int4"
-    assert ModelRunner(q4, num_kv_blocks=4, quantization="auto").quantization.applied == "int4"
+    report = ModelRunner(q4, num_kv_blocks=4).quantization
+    assert report.applied == "int4"
+    assert report.describe() == "int4 (auto: the GGUF file's precision, 28 linear layers)"
     (q4 / SOURCE_FILE).write_text(json.dumps({"gguf": "/gone.gguf"}))  # older cache, file gone
     assert file_precision(q4) is None
+
+
+def q4_copy(tiny_llama_dir: Path, path: Path) -> Path:
+    """``tiny_llama_dir`` as if converted from a Q4_1 GGUF file (its source record)."""
+    q4 = shutil.copytree(tiny_llama_dir, path)
+    source = {"gguf": "/gone.gguf", "linear_types": {"Q4_1": 28, "Q8_0": 1}}
+    (q4 / SOURCE_FILE).write_text(json.dumps(source))
+    return q4
+
+
+def test_auto_on_a_q4_file_without_kernels_or_on_cuda_runs_as_loaded_with_one_line(
+    tiny_llama_dir: Path,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default must be safe for every model: where the file's int4 cannot run (this torch
+    lacks the kernels, or the model is on CUDA), the weights run as loaded and one warning and
+    the start line say why."""
+    from tokenfleet.worker.engine import quantization
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.models.startup import model_summary
+
+    q4 = q4_copy(tiny_llama_dir, tmp_path / "q4")
+    monkeypatch.setattr(quantization, "kernels_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        engine = Engine(q4, EngineConfig(num_kv_blocks=4))  # quantization: the default, auto
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(lines) == 1, lines
+    assert "quantization auto: model type 'llama' cannot be executed as int4" in lines[0]
+    assert "lacks the CPU weight-only int4 kernels" in lines[0], lines[0]
+    runner: Any = engine.runner
+    assert runner.quantization.applied == "none"
+    assert type(runner.model.model.layers[0].mlp.up_proj) is nn.Linear  # not joined either
+    assert type(runner.model.lm_head) is nn.Linear
+    line = model_summary("q4", q4, engine)
+    assert "quantization none (auto fell back: this torch" in line, line
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].token_ids) == 4  # and it still serves
+    monkeypatch.undo()
+    caplog.clear()
+    model = ModelRunner(tiny_llama_dir, num_kv_blocks=4, quantization="none").model
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        report = quantization.quantize_model(model, "auto", torch.device("cuda"), source=q4)
+    assert (report.requested, report.applied) == ("auto", "none")
+    assert report.fallback_reason == "int4 weights run on a CPU only, this model is on cuda"
+    assert [r.getMessage() for r in caplog.records].count(
+        "quantization auto: model type 'llama' cannot be executed as int4: "
+        "int4 weights run on a CPU only, this model is on cuda; running its weights as loaded"
+    ) == 1
+    assert type(model.lm_head) is nn.Linear
 
 
 def test_the_start_line_says_what_runs_quantized(tiny_llama_dir: Path) -> None:

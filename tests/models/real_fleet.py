@@ -28,6 +28,10 @@ PREFIX = "tfreal"
 WORKERS = ("real-a", "real-b")
 READY_S = 300.0  # failure guard: two SmolLM2 loads on a loaded 2-core machine
 TIMERS = ("--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5")
+# The file's weights dequantized to float32, not the default int4 (auto): these tests compare
+# logprobs with Hugging Face's float32 forward (tests/models/test_structured_real.py). The
+# default runs in test_real_model_fleet.py, test_real_model_demo.py and test_real_quantized.py.
+FLOAT32 = ("--quantization", "none")
 
 
 class RealFleet:
@@ -69,7 +73,15 @@ class RealFleet:
                     self.workers[name].close()
                 self.starts += 1
                 args = tokenfleet_args(
-                    "worker", "--model", "smollm2", "--name", name, "--threads", "1", *TIMERS
+                    "worker",
+                    "--model",
+                    "smollm2",
+                    "--name",
+                    name,
+                    "--threads",
+                    "1",
+                    *TIMERS,
+                    *FLOAT32,
                 )
                 log = self.log_dir / f"{name}-{self.starts}.log"
                 self.workers[name] = ChildProcess(args, log, self.env)

@@ -6,6 +6,10 @@ to force a preemption. Where fp32 arithmetic makes a near-tie come out the other
 does not skip: it shows HF's top-2 logit margin at that position and requires the engine's token
 to be within ``TIE_TOLERANCE`` of HF's best logit there (the rest of that sequence is then not
 comparable and is not compared).
+
+The engines here run the file's weights dequantized, in float32 (``quantization="none"``): the
+default, ``auto``, executes SmolLM2's Q4_1 file as int4, whose greedy output equals this one
+except at wider near-ties (tests/models/test_real_quantized.py).
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ def test_real_english_comes_out(smollm2_tokenizer: Any, hf_outputs: list[list[in
 def test_each_prompt_alone_equals_hf(
     smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
-    engine = Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+    engine = Engine(
+        smollm2_dir, EngineConfig(device="cpu", dtype="float32", quantization="none", seed=0)
+    )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     ties = []
     for prompt, theirs in zip(chat_prompts, hf_outputs, strict=True):
@@ -74,6 +80,7 @@ def test_all_prompts_together_with_joins_chunks_and_preemption(
         EngineConfig(
             device="cpu",
             dtype="float32",
+            quantization="none",
             block_size=16,
             num_kv_blocks=2 * (-(-longest // 16)) + 4,  # a few sequences' worth: preemption
             max_num_batched_tokens=48,  # smaller than every prompt: chunked prefill
@@ -109,7 +116,9 @@ def test_stop_strings_end_where_hf_stops(
     """HF ``generate(stop_strings=...)`` stops on the token that completes the stop string and
     keeps it; the engine stops on that same token and ends its text just before the stop string
     (the OpenAI convention the gateway needs): same tokens, text cut at the stop string."""
-    engine = Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+    engine = Engine(
+        smollm2_dir, EngineConfig(device="cpu", dtype="float32", quantization="none", seed=0)
+    )
     stops = [". ", "\n"]
     for prompt in chat_prompts[:4]:
         ids = torch.tensor([prompt])

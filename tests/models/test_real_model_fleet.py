@@ -1,5 +1,8 @@
 """SmolLM2 through the fleet: seeded sampling is reproducible, and a real worker process behind
-the suite's private Redis returns what the in-process engine returns, token for token."""
+the suite's private Redis returns what the in-process engine returns, token for token.
+
+Both run the default quantization, ``auto``: the Q4_1 file's linear layers execute as int4
+(its equivalence with float32: tests/models/test_real_quantized.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +31,10 @@ SEEDED: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "max_
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Engine:
-    return Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+    engine = Engine(smollm2_dir, EngineConfig(device="cpu", dtype="float32", seed=0))
+    runner: Any = engine.runner
+    assert runner.quantization.applied == "int4"  # auto: the file's own precision
+    return engine
 
 
 def test_seeded_sampling_is_reproducible_alone_and_batched(
@@ -100,6 +106,7 @@ def test_a_worker_returns_what_the_engine_returns(
     assert "Paris" in results[0].text
     log = log_path.read_text()
     assert "134.5M parameters" in log and "KV cache" in log  # the startup line
+    assert "quantization int4 (auto: the GGUF file's precision, 210 linear layers)" in log
     # the default KV holds a full batch of chats (32 x 512 tokens), so no sequence cap below
     # SmolLM2's context of 8192 (issue 31; the warning: tests/engine/test_kv_default_size.py)
     assert "= 16384 tokens" in log and "below the model's context" not in log

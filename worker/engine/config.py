@@ -40,7 +40,7 @@ class EngineConfig:
     share_prefill: bool = True  # a prompt being prefilled by another request waits to share it
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
-    quantization: str = "none"  # none | int8 | int4 | auto (a GGUF file's own precision)
+    quantization: str = "auto"  # auto (a GGUF file's own precision) | none | int8 | int4
     seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
 
     def __post_init__(self) -> None:

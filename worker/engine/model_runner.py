@@ -133,7 +133,7 @@ class ModelRunner:
         kv_memory_bytes: int | None = None,
         default_kv_tokens: int = DEFAULT_KV_TOKENS,
         max_model_len: int | None = None,
-        quantization: str = "none",
+        quantization: str = "auto",
         trust_remote_code: bool = False,
         fast_forward: bool = True,
     ) -> None:
@@ -170,11 +170,11 @@ class ModelRunner:
             ) from exc
         self.model: Any = hf_model.to(self.device).eval()
         self.config = self.model.config
-        # Projections are joined only where they will be quantized (see fuse_projections).
+        # Projections are joined only where they will be quantized (see fuse_projections): not
+        # on CUDA, nor where this torch lacks the kernels (quantize_model then says why).
         mode = resolve_mode(quantization, model) if self.device.type == "cpu" else "none"
-        self.fused = fuse_projections(
-            self.model, join=mode != "none", convert=joined_quantizer(mode)
-        )
+        convert = joined_quantizer(mode)
+        self.fused = fuse_projections(self.model, join=convert is not None, convert=convert)
         self.quantization = quantize_model(self.model, quantization, self.device, source=model)
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)

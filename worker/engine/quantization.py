@@ -238,11 +238,15 @@ class QuantizationReport:
     head: str = "as loaded"  # the LM head: "int8" (Int8Head) or as loaded
 
     def describe(self) -> str:
-        """A few words for the worker's start line."""
+        """A few words for the worker's start line: the mode that ran and, where ``auto`` chose
+        it or a fallback forced it, why."""
+        if self.fallback_reason is not None:
+            return f"none ({self.requested} fell back: {self.fallback_reason})"
         if self.applied == "none":
-            return "none" if self.fallback_reason is None else "none (fallback)"
+            return "none (auto: not a quantized GGUF file)" if self.requested == "auto" else "none"
+        why = "auto: the GGUF file's precision, " if self.requested == "auto" else ""
         skipped = f", {self.num_skipped} left float" if self.num_skipped else ""
-        return f"{self.applied} ({self.num_quantized} linear layers{skipped})"
+        return f"{self.applied} ({why}{self.num_quantized} linear layers{skipped})"
 
 
 def resolve_mode(mode: str, source: str | os.PathLike[str] | None = None) -> str:
