@@ -291,3 +291,6 @@ def test_the_start_line_says_what_runs_quantized(tiny_llama_dir: Path) -> None:
     engine = Engine(tiny_llama_dir, EngineConfig(num_kv_blocks=4, quantization="int4"))
     line = model_summary("tiny", tiny_llama_dir, engine)
     assert "dtype float32, quantization int4 (28 linear layers), device cpu" in line, line
+    plain = Engine(tiny_llama_dir, EngineConfig(num_kv_blocks=4, quantization="none"))
+    params = model_summary("tiny", tiny_llama_dir, plain).split(" parameters")[0].split(" ")[-1]
+    assert f"LlamaForCausalLM, {params} parameters" in line  # int4 weights counted as loaded

@@ -170,6 +170,8 @@ class ModelRunner:
             ) from exc
         self.model: Any = hf_model.to(self.device).eval()
         self.config = self.model.config
+        # counted as loaded: quantized layers keep their weights as buffers, not parameters
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
         # Projections are joined only where they will be quantized (see fuse_projections): not
         # on CUDA, nor where this torch lacks the kernels (quantize_model then says why).
         mode = resolve_mode(quantization, model) if self.device.type == "cpu" else "none"

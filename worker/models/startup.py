@@ -21,7 +21,9 @@ def _gib(num_bytes: float) -> str:
 def model_summary(spec: str, folder: Path, engine: Any) -> str:
     """A one-line description of a loaded engine: model, dtype, parameters, memory, KV budget."""
     runner = engine.runner
-    params = sum(p.numel() for p in runner.model.parameters())
+    params = getattr(runner, "num_parameters", None)  # as loaded, before quantization
+    if params is None:
+        params = sum(p.numel() for p in runner.model.parameters())
     per_block = runner.kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
     kv_tokens = runner.num_kv_blocks * runner.block_size
     kv_bytes = runner.num_kv_blocks * per_block
