@@ -53,15 +53,21 @@ redis7:
 chromium:
 	bash scripts/ensure_chromium.sh
 
+# The suite runs in PYTEST_WORKERS pytest-xdist workers; tests that share a session's resource
+# are kept in one worker by their xdist_group (tests/xdist_groups.py). PYTEST_WORKERS=0: serially,
+# in one process (as `pytest -p no:xdist` does).
+PYTEST_WORKERS ?= 3
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+
 pytest: $(STAMP) $(ASSETS) redis7 chromium
-	$(PY) -m pytest -p no:cacheprovider
+	$(PY) -m pytest -p no:cacheprovider $(XDIST)
 
 test: lint typecheck pytest
 
 # The edit loop's fast tier (a few minutes): lint, and every test that starts no process (those
 # are marked slow automatically: tests/process_marking.py). `make test` runs everything.
 check: lint $(STAMP) $(ASSETS) redis7
-	$(PY) -m pytest -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -p no:cacheprovider $(XDIST) -m "not slow"
 
 bench: $(STAMP)
 	$(PY) -m tokenfleet.worker.cli bench all

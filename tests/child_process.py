@@ -12,23 +12,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from tokenfleet.worker.devtools.local_redis import free_port
+
+__all__ = ["ChildProcess", "free_port", "run_command", "tokenfleet_args"]
+
 
 def tokenfleet_args(*args: str) -> list[str]:
     """The command line of ``tokenfleet ARGS`` run by this interpreter."""
     return [sys.executable, "-m", "tokenfleet.worker.cli", *args]
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _environment(env: Mapping[str, str] | None, inherit_env: bool) -> dict[str, str]:

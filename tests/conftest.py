@@ -15,12 +15,14 @@ No fakeredis: every path of the client, the gateway and the worker runs Lua or a
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from process_marking import guarded, item_starts_processes
+from xdist_groups import XdistGroups, group_of
 
 from tokenfleet.shared.keys import Keys
 from tokenfleet.shared.settings import Settings
@@ -88,15 +90,33 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), flavour="qwen2", seed=0)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, the scheduler learns each test's ``xdist_group`` from the workers
+    (tests/xdist_groups.py); each worker, and what it starts, computes on one thread (several
+    workers share the machine's cores: torch's default, a thread per core each, oversubscribes
+    them)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(XdistGroups(config), "tokenfleet-xdist-groups")
+
+
+@pytest.hookimpl(tryfirst=True)  # the marks first: the xdist_groups plugin reads them
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests that use the private server directly are marked ``real``; tests that start a
-    process, ``slow``."""
+    process, ``slow``; tests that must share a worker under pytest-xdist, their
+    ``xdist_group`` (tests/xdist_groups.py)."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if names & REAL_FIXTURES:
             item.add_marker(pytest.mark.real)
         if item.get_closest_marker("slow") is None and item_starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        group = group_of(item)
+        if group is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import random
 import shutil
 import signal
 import socket
@@ -57,11 +58,48 @@ def find_redis_server(prefer: str = "system") -> Path:
     )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+# Under pytest-xdist (``PYTEST_XDIST_WORKER`` = gw0, gw1, ...) each worker hands out ports from
+# its own block below the kernel's ephemeral range (32768-60999 on Linux), so two workers never
+# pick the same port between one's check and its server's bind; the block's upper neighbours
+# (+10000, a cluster node's bus port) are left to no worker. Elsewhere: a port the kernel picks.
+PORT_BLOCKS_START, PORT_BLOCK_SIZE, PORT_BLOCKS = 10000, 500, 20
+_next_in_block: dict[int, int] = {}
+
+
+def worker_port_block() -> range | None:
+    """This pytest-xdist worker's port block, or None outside one (or past ``PORT_BLOCKS``)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not (name.startswith("gw") and name[2:].isdigit()) or int(name[2:]) >= PORT_BLOCKS:
+        return None
+    start = PORT_BLOCKS_START + int(name[2:]) * PORT_BLOCK_SIZE
+    return range(start, start + PORT_BLOCK_SIZE)
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (in a pytest-xdist worker: from its
+    own block, taken in turn from a per-process random start, so a port just used and freed is
+    not handed out again soon, and a child process of the worker starts elsewhere in it)."""
+    block = worker_port_block()
+    if block is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    offset = _next_in_block.get(block.start, random.randrange(len(block)))
+    for step in range(len(block)):
+        port = block[(offset + step) % len(block)]
+        if _bindable(port):
+            _next_in_block[block.start] = (offset + step + 1) % len(block)
+            return port
+    raise RuntimeError(f"no free port in this pytest-xdist worker's block {block}")
 
 
 def answers(url: str, timeout_s: float = 0.5) -> bool:
