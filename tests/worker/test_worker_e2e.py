@@ -223,7 +223,7 @@ def test_malformed_and_oversized_entries_are_dead_lettered(
     ok = "e2e-after-bad"
     enqueue(rr, KEYS, make_request(ok, sampling=SamplingParams(max_tokens=3, temperature=0)))
     assert wait_terminal(rr, KEYS, ok).status == "done"
-    assert worker.proc.poll() is None
+    assert worker.alive()
 
 
 def test_engine_refusal_is_an_error_event_not_a_crash(worker: WorkerProc, rr: redis.Redis) -> None:
@@ -232,7 +232,7 @@ def test_engine_refusal_is_an_error_event_not_a_crash(worker: WorkerProc, rr: re
     enqueue(rr, KEYS, make_request(rid, prompt_token_ids=(1, 2, 10**9)))
     term = log.wait_terminal(rid)
     assert term.status == "error" and "vocabulary" in (term.message or "")
-    assert worker.proc.poll() is None
+    assert worker.alive()
 
 
 def test_metrics_endpoint(worker: WorkerProc, rr: redis.Redis, metrics_port: int) -> None:
