@@ -73,7 +73,11 @@ def start_worker(
         return elapsed, peak_rss_mib(proc.pid)
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # a loaded host: its graceful stop is not measured
+            proc.kill()
+            proc.wait()
         r.close()
 
 
@@ -123,7 +127,8 @@ def main() -> None:
                 else:
                     result = load_only(folder)
                 rows.setdefault(name, []).append(result)
-                print(f"  round {i + 1} {name}: {rows[name][-1][0]:.2f} s", flush=True)
+                took, peak = rows[name][-1]
+                print(f"  round {i + 1} {name}: {took:.2f} s, {peak:.0f} MiB", flush=True)
     finally:
         server.stop()
     print(f"\nworker start, model {args.model} ({folder}), {args.rounds} rounds, 1 thread")
