@@ -80,7 +80,7 @@ def test_a_runner_sigkilled_mid_batch_is_taken_over(bsettings: Settings, log_dir
             mid = await wait_batch(env, b.id, lambda x: x.completed >= 5)
             assert not mid.final and proc.alive(), proc.output()
             proc.signal(signal.SIGKILL)
-            proc.proc.wait(10)
+            proc.wait(10)
         finally:
             proc.close()
         lease = env.batches._keys.batch_lease(b.id)
@@ -130,7 +130,7 @@ def test_a_worker_sigkilled_mid_batch_loses_nothing(
             wait_for(lambda: completed(sdk, batch.id) >= 4, "the batch to be under way")
             wait_for(lambda: _running_on(client, batch.id, workers[0].name), "a line on worker 0")
             workers[0].signal(signal.SIGKILL)
-            workers[0].proc.wait(10)
+            workers[0].wait(10)
             # what it held when it died: its records stay "running" under its name until the
             # other worker claims them (after its heartbeat lapses), so this read is exact
             held = _running_on(client, batch.id, workers[0].name)

@@ -150,7 +150,7 @@ def test_a_gateway_killed_mid_batch_loses_nothing(
         )
         assert plain_redis.exists(fleet.keys.batch_lease(batch.id))  # the gateway drives it
         fleet.gateway.signal(signal.SIGKILL)
-        fleet.gateway.proc.wait(10)
+        fleet.gateway.wait(10)
         second = Gateway(fleet.redis_url, fleet.prefix, tmp_path, name="b2", env=LEASE)
         second.wait_ready()
         sdk2 = sdk_for(second.url + "/v1")

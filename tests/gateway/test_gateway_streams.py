@@ -113,7 +113,7 @@ def test_resume_through_a_second_gateway_after_sigkill(fleet: Fleet) -> None:
             lines = resp.iter_lines()  # held open until the gateway is dead: no disconnect
             first, last = read_until(lines, 4)
             doomed.signal(signal.SIGKILL)  # mid-stream, default X-On-Disconnect (cancel)
-            doomed.proc.wait(10)
+            doomed.wait(10)
             del lines
         assert last == 4
         rest, datas = read_rest(fleet.base_url, rid, last)  # the module's gateway resumes
