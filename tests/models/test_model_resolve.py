@@ -3,13 +3,11 @@ input refused with a message naming it (and, for a worker, exit 4 with the queue
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import redis
+from child_process import run_command, tokenfleet_args
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
@@ -115,14 +113,8 @@ def test_a_worker_with_a_bad_model_exits_4_and_takes_nothing(
     handle = client.submit("hello", max_tokens=4)
     bad = tmp_path / "broken.gguf"
     bad.write_text("not a model")
-    env = {**os.environ, "REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": "tfbad"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", str(bad)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    env = {"REDIS_URL": redis_url, "TOKENFLEET_KEY_PREFIX": "tfbad"}
+    done = run_command(tokenfleet_args("worker", "--model", str(bad)), env)
     client.close()
     assert done.returncode == EXIT_MODEL_UNAVAILABLE, done.stderr
     assert "broken.gguf is not a GGUF file" in done.stderr

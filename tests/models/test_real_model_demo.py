@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from child_process import run_command, tokenfleet_args
 from conftest import MODEL_CACHE
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -20,14 +19,7 @@ def test_the_default_demo_streams_real_text(
     env = {**os.environ, "REDIS_URL": redis_server.url, "TOKENFLEET_MODEL_CACHE": str(MODEL_CACHE)}
     env.pop("TOKENFLEET_KEY_PREFIX", None)
     args = ["demo", "--workers", "1", "--requests", "3", "--max-tokens", "24", "--timeout", "240"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "tokenfleet.worker.cli", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
+    proc = run_command(tokenfleet_args(*args), env, inherit_env=False, cwd=tmp_path, timeout_s=400)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert f"model: {smollm2_dir}" in out
