@@ -19,12 +19,13 @@ from torch import nn
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
 from tokenfleet.worker.engine.config import EngineConfig
+from tokenfleet.worker.engine.fusion import fused_parts
 from tokenfleet.worker.engine.model_runner import ModelRunner
 from tokenfleet.worker.engine.quantization import (
     SOURCE_FILE,
     Int4Linear,
-    Int8Head,
     Int8Linear,
+    QuantizedHead,
     file_precision,
     kernels_available,
     mode_for_gguf_type,
@@ -84,36 +85,196 @@ def test_int8_product_is_close_to_float() -> None:
     assert (got - ref).abs().max() < 0.02 * ref.abs().max()
 
 
-def test_the_int8_head_serves_few_rows_and_the_float_head_many() -> None:
-    gen = torch.Generator().manual_seed(2)
-    linear = nn.Linear(64, 200, bias=True)
-    linear.weight.data = torch.randn(200, 64, generator=gen)
-    head = Int8Head(linear, max_rows=4, exact_top=8, margin=0.0)
+def random_head(out_f: int, in_f: int, seed: int, bias: bool = True) -> nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(in_f, out_f, bias=bias)
+    linear.weight.data = torch.randn(out_f, in_f, generator=gen)
+    if bias:
+        linear.bias.data = torch.randn(out_f, generator=gen)
+    return linear.requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_quantized_head_serves_few_rows_and_the_float_head_many(kind: str) -> None:
+    linear = random_head(208, 64, seed=2)
+    head = QuantizedHead(linear, max_rows=4, kind=kind, exact_top=8, margin=0.0)
     assert head.float_head is linear  # the float weights are kept (often tied), not copied
+    float32 = {t.data_ptr(): t.numel() for t in head.state_dict().values()
+               if t.dtype == torch.float32}  # fmt: skip
+    assert sum(float32.values()) == linear.weight.numel() + linear.bias.numel()  # no float copy
+    gen = torch.Generator().manual_seed(3)
     few, many = torch.randn(1, 4, 64, generator=gen), torch.randn(1, 5, 64, generator=gen)
     with torch.no_grad():
         assert torch.equal(head(many), linear(many))  # enough rows: the float head itself
         got, want = head(few), linear(few)
     assert got.shape == want.shape and got.dtype == torch.float32
     assert head.num_float_rows == 0
-    assert not torch.equal(got, want)  # few rows: the int8 weights ...
-    assert (got - want).abs().max() < 0.02 * want.abs().max()  # ... of the same head,
-    top = got.topk(8, dim=-1).indices  # and the candidates recomputed in float32
-    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=1e-5, rtol=0)
+    assert not torch.equal(got, want)  # few rows: the quantized weights ...
+    off = {"int4": 0.2, "int8": 0.02}[kind]  # 4 bits of Gaussian weights: ~10 % off
+    assert (got - want).abs().max() < off * want.abs().max()  # ... of the same head,
+    with torch.no_grad():
+        top = head.quantized(few).topk(8, dim=-1).indices  # the candidates, recomputed in f32
+    torch.testing.assert_close(got.gather(-1, top), want.gather(-1, top), atol=1e-4, rtol=0)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_the_int8_head_hands_unsure_rows_to_the_float_head() -> None:
-    """A row whose best recomputed logit is not ``margin`` above the int8 candidates left out
-    is computed whole in float32."""
-    gen = torch.Generator().manual_seed(3)
-    linear = nn.Linear(64, 200, bias=False)
-    linear.weight.data = torch.randn(200, 64, generator=gen)
-    head = Int8Head(linear, max_rows=4, exact_top=8, margin=1e9)
-    x = torch.randn(3, 64, generator=gen)
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_quantized_head_hands_unsure_rows_to_the_float_head(kind: str) -> None:
+    """A row whose best recomputed logit is not ``margin`` above the quantized candidates left
+    out is computed whole in float32."""
+    linear = random_head(208, 64, seed=3, bias=False)
+    head = QuantizedHead(linear, max_rows=4, kind=kind, exact_top=8, margin=1e9)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(head(x), linear(x), atol=1e-5, rtol=0)
     assert head.num_float_rows == 3
+
+
+def head_error(head: QuantizedHead, x: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((head.quantized(x) - head.float_head(x)).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_quantized_head_picks_the_float_heads_token_on_random_rows(kind: str) -> None:
+    """Random rows in batches of up to ``max_rows``: the argmax is the float head's wherever
+    the quantized logits are off by less than the margin (checked: the head's precondition),
+    though the quantized logits alone pick another token in some rows."""
+    linear = random_head(1024, 96, seed=5)
+    head = QuantizedHead(linear, max_rows=8, kind=kind)  # its default margin and candidates
+    x = torch.randn(400, 96, generator=torch.Generator().manual_seed(6)) * 0.5
+    assert head_error(head, x) < head.margin
+    with torch.no_grad():
+        got = torch.cat([head(x[i : i + 8]) for i in range(0, len(x), 8)])
+        want, alone = linear(x), head.quantized(x)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not torch.equal(alone.argmax(-1), want.argmax(-1))  # the test can fail
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_quantized_head_picks_the_float_heads_token_at_near_ties(kind: str) -> None:
+    """Adversarial rows: each row's best token has a twin whose float logit is 1e-3 above or
+    below it (the quantized logits cannot tell them apart); and rows over a flat stretch of 100
+    near-equal logits, more than the candidates recomputed (these go whole to the float head)."""
+    gen = torch.Generator().manual_seed(7)
+    linear = random_head(512, 64, seed=8)
+    x = torch.randn(24, 64, generator=gen) * 0.5
+    with torch.no_grad():
+        best = linear(x).argmax(-1)
+        for r in range(16):  # token 256 + r: row r's best token, moved by +-1e-3 in row r
+            direction = torch.randn(64, generator=gen)
+            twin, row = 256 + r, x[r]
+            gap = (1e-3 if r % 2 else -1e-3) - float(direction @ row) * 1e-4
+            linear.weight[twin] = linear.weight[best[r]] + direction * 1e-4
+            linear.bias[twin] = linear.bias[best[r]] + gap
+        flat = torch.arange(400, 500)  # rows 16..23: 100 tokens within 1e-3 of each other
+        linear.weight[flat] = linear.weight[0] + torch.randn(100, 64, generator=gen) * 1e-5
+        linear.bias[flat] = 50 + torch.rand(100, generator=gen) * 1e-3
+        x[16:] = x[16:] * 1e-2
+    head = QuantizedHead(linear, max_rows=8, kind=kind)
+    assert head_error(head, x) < head.margin and head.exact_top < 100
+    with torch.no_grad():
+        want, alone = linear(x), head.quantized(x)
+        got = torch.cat([head(x[i : i + 8]) for i in range(0, len(x), 8)])
+    near = want.topk(2, -1).values
+    assert float((near[:16, 0] - near[:16, 1]).max()) < 2e-3  # near-ties indeed
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert not torch.equal(alone.argmax(-1), want.argmax(-1))  # the test can fail
+    assert head.num_float_rows >= 8  # the flat rows went to the float head
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_rows_whose_every_logit_matters_are_the_float_heads(kind: str) -> None:
+    """``float_rows`` (sampled, logprobs, grammar-masked): those rows' logits, and so their
+    logprobs and top logprobs, are the float head's bit for bit; the others keep the quantized
+    path and its guarantee."""
+    linear = random_head(208, 64, seed=9)
+    head = QuantizedHead(linear, max_rows=4, kind=kind, exact_top=8, margin=0.0)
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(10))
+    exact = [1, 4, 5]
+    head.float_rows = exact
+    with torch.no_grad():
+        got = head(x.unsqueeze(0))[0]
+        want = linear(x[exact])
+        full = linear(x)
+    assert torch.equal(got[exact], want)
+    assert torch.equal(got[exact].log_softmax(-1), want.log_softmax(-1))  # logprobs equal
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    greedy = [0, 2, 3]
+    assert not torch.equal(got[greedy], full[greedy])  # those are the quantized path's
+    head.float_rows = [0, 1, 2, 3, 4, 5]
+    with torch.no_grad():
+        assert torch.equal(head(x), linear(x))
+
+
+def test_the_engine_asks_for_float_logits_where_every_logit_is_read(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows take the quantized head's fast path; rows sampled with a temperature or asked
+    for logprobs are flagged (``StepBatch.full_logit_rows``) and get the float head's logits."""
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.engine.request import SamplingParams
+
+    engine = Engine(tiny_llama_dir, EngineConfig(num_kv_blocks=16, quantization="int4", seed=0))
+    runner: Any = engine.runner
+    head = runner.model.lm_head
+    assert isinstance(head, QuantizedHead)
+    seen: list[tuple[list[str], list[int], list[int]]] = []  # ids, flagged, the head's rows
+    execute = engine.runner.execute
+
+    def spy(batch: StepBatch, *args: Any) -> torch.Tensor:
+        ids = [s.request_id for s in batch.seqs if s.needs_logits]
+        seen.append((ids, list(batch.full_logit_rows), []))
+        return execute(batch, *args)
+
+    monkeypatch.setattr(engine.runner, "execute", spy)
+    head.register_forward_pre_hook(lambda m, a: seen[-1][2].extend(m.float_rows))
+    prompt = [5, 17, 99, 3]
+    requests = {
+        "greedy": SamplingParams(temperature=0.0, max_tokens=3),
+        "sampled": SamplingParams(temperature=0.8, max_tokens=3, seed=1),
+        "logprobs": SamplingParams(temperature=0.0, max_tokens=3, logprobs=True, top_logprobs=2),
+    }
+    for rid, params in requests.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seen) >= 3
+    for ids, flagged, at_head in seen:
+        assert flagged == [i for i, rid in enumerate(ids) if rid != "greedy"], (ids, flagged)
+        assert at_head == flagged  # what the head was told during that forward
+    assert sum("greedy" in ids for ids, _, _ in seen) == 3  # every token of each was computed
+    assert head.float_rows == []  # cleared after each forward
+
+
+def test_joined_layers_pack_as_the_float_join_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused layer packed straight from its parts (chunks of rows that cross the parts'
+    borders) equals the packing of the joined float weights, byte for byte, and computes the
+    separate layers' outputs side by side."""
+    import tokenfleet.worker.engine.quantization as quantization
+    from tokenfleet.worker.engine.fusion import _join
+
+    gen = torch.Generator().manual_seed(11)
+    parts = [nn.Linear(96, n, bias=True).requires_grad_(False) for n in (80, 48, 48)]
+    for part in parts:
+        part.weight.data = torch.randn(part.out_features, 96, generator=gen)
+    float_join = _join(parts)
+    monkeypatch.setattr(quantization, "PACK_CHUNK_ROWS", 64)  # chunks 0-63, 64-127, 128-175
+    for cls in (Int4Linear, Int8Linear):
+        joined, whole = cls.joined(parts), cls(float_join)
+        assert fused_parts(joined) == (80, 48, 48)
+        for (name, got), (_, want) in zip(
+            joined.state_dict().items(), whole.state_dict().items(), strict=True
+        ):
+            assert torch.equal(got, want), (cls.__name__, name)
+        x = torch.randn(3, 96, generator=gen)
+        with torch.no_grad():
+            side_by_side = torch.cat([cls(part)(x) for part in parts], -1)
+            assert torch.equal(joined(x), side_by_side)
+    q = torch.randint(0, 16, (176, 96), dtype=torch.int32, generator=gen)  # the layout's rule
+    packs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[i : i + 64], 1) for i in
+             range(0, 176, 64)]  # fmt: skip
+    assert torch.equal(torch.cat(packs), torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
 
 
 def test_gguf_types_map_to_modes() -> None:
@@ -172,8 +333,9 @@ def test_a_tiny_model_runs_quantized(tiny_llama_dir: Path, mode: str) -> None:
     # q/k/v and gate/up fused (fusion.py), then quantized; 28 counts the layers they join
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear if mode == "int4" else Int8Linear)
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear if mode == "int4" else Int8Linear)
-    assert isinstance(runner.model.lm_head, Int8Head)  # the LM head as int8, float kept
-    assert report.head == "int8"
+    head = runner.model.lm_head
+    assert isinstance(head, QuantizedHead)  # the LM head quantized, float kept
+    assert report.head == head.kind == ("int4" if head.out_features % 16 == 0 else "int8")
     tokens = [5, 17, 99, 3, 42, 7]
     got, want = last_logits(runner, tokens), last_logits(ref, tokens)
     assert not torch.equal(got, want)  # really another computation ...

@@ -61,7 +61,7 @@ def test_greedy_int4_equals_float32_except_near_ties(
     assert (report.num_quantized, report.num_skipped) == (30 * 7, 0)
     # gate/up fused into one product (fusion.py), quantized as one layer of two
     assert isinstance(runner.model.model.layers[0].mlp.gate_up_proj, Int4Linear)
-    assert report.head == "int8"
+    assert report.head == "int4"  # the LM head as int4 (QuantizedHead), float kept for ties
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     outputs = engine.generate(chat_prompts, greedy)  # all eight in one batch
     assert "Paris" in outputs[0].text, outputs[0].text

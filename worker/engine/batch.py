@@ -41,6 +41,10 @@ class StepBatch:
     """All sequences of one step, decode sequences first, then prefill chunks."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)  # in the order logits are returned
+    # Rows of the returned logits whose every logit is read (sampled with a temperature, asked
+    # for logprobs, masked by a grammar), not only their argmax: a runner with a quantized LM
+    # head computes these with the float head (quantization.QuantizedHead). Set by the engine.
+    full_logit_rows: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -329,6 +329,11 @@ class Engine:
             if seq.needs_logits
         ]
         masks = self._start_masks(sampling)  # filled while the model runs
+        scheduled.batch.full_logit_rows = [
+            i
+            for i, req in enumerate(sampling)
+            if not req.params.greedy or req.params.logprobs or req.matcher is not None
+        ]
         try:
             logits = self._execute(scheduled)
         except StepInterrupted:

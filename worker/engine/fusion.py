@@ -169,22 +169,23 @@ def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
 def fuse_projections(
     model: nn.Module,
     join: bool = True,
-    convert: Callable[[nn.Linear], nn.Module] | None = None,
+    convert: Callable[[list[nn.Linear]], nn.Module | None] | None = None,
 ) -> dict[str, int]:
     """Fuse every Llama-style attention's q/k/v and gated MLP's gate/up in ``model`` (unless
     ``join`` is False), and give its RMSNorms one ``F.rms_norm`` call, in place (see the module
     docstring); returns how many modules of each kind (``qkv``, ``gate_up``, ``rms_norm``) it
     changed.
 
-    Joining copies the projections' weights: the separate ones are freed, but a CPU allocator
-    keeps most of that memory (measured: SmolLM2 in float32 held 1.25 GiB instead of 0.92).
-    The model runner joins only weights it is about to quantize, whose float copies all go,
-    and passes ``convert`` (the quantizer), applied to each joined layer as it is made, so that
-    one joined float copy at a time exists (else the peak grows by all of them: 278 MB)."""
+    Joining as float copies the projections' weights: the separate ones are freed, but a CPU
+    allocator keeps most of that memory (measured: SmolLM2 in float32 held 1.25 GiB instead of
+    0.92). The model runner joins only weights it is about to quantize, and passes ``convert``
+    (``quantization.joined_quantizer``): it makes each joined layer quantized straight from the
+    separate layers' weights, a chunk of rows at a time, so no joined float copy is ever made;
+    where it answers None (a shape the kernel does not take) the layers are joined as float."""
 
     def joined(layers: list[nn.Linear]) -> nn.Module:
-        layer = _join(layers)
-        return convert(layer) if convert is not None else layer
+        layer = convert(layers) if convert is not None else None
+        return layer if layer is not None else _join(layers)
 
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 

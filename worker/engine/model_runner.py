@@ -31,6 +31,7 @@ from tokenfleet.worker.engine.paged_attention import (
     paged_attention_forward,
 )
 from tokenfleet.worker.engine.quantization import (
+    QuantizedHead,
     joined_quantizer,
     quantize_model,
     resolve_mode,
@@ -178,6 +179,8 @@ class ModelRunner:
         convert = joined_quantizer(mode)
         self.fused = fuse_projections(self.model, join=convert is not None, convert=convert)
         self.quantization = quantize_model(self.model, quantization, self.device, source=model)
+        head = self.model.get_output_embeddings()
+        self._quantized_head = head if isinstance(head, QuantizedHead) else None
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)
         per_block = self.kv_bytes_per_block(self.config, block_size, self.dtype)
@@ -356,19 +359,29 @@ class ModelRunner:
             position_ids=torch.tensor([positions], device=dev),
         )
 
-    def _forward(self, step: PagedStep, keep: list[int]) -> torch.Tensor:
-        """One packed forward; logits of the packed token indices ``keep``, as float32."""
+    def _forward(
+        self, step: PagedStep, keep: list[int], full_rows: list[int] | None = None
+    ) -> torch.Tensor:
+        """One packed forward; logits of the packed token indices ``keep``, as float32; the rows
+        ``full_rows`` (indices into ``keep``) all the float head's (``StepBatch``)."""
         keep_ids = torch.tensor(keep, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            if self.fast is not None and step.probe is None:
-                return self.fast(step, keep_ids).float()
-            out = self.model(
-                input_ids=step.input_ids,
-                position_ids=step.position_ids,
-                use_cache=False,
-                logits_to_keep=keep_ids,
-                **{STEP_KWARG: step},
-            )
+        head = self._quantized_head
+        if head is not None:
+            head.float_rows = full_rows or []
+        try:
+            with torch.inference_mode():
+                if self.fast is not None and step.probe is None:
+                    return self.fast(step, keep_ids).float()
+                out = self.model(
+                    input_ids=step.input_ids,
+                    position_ids=step.position_ids,
+                    use_cache=False,
+                    logits_to_keep=keep_ids,
+                    **{STEP_KWARG: step},
+                )
+        finally:
+            if head is not None:
+                head.float_rows = []
         return out.logits[0].float()
 
     def execute(
@@ -393,4 +406,5 @@ class ModelRunner:
         for seq in packed:
             offset += len(seq.token_ids)
             last_index[id(seq)] = offset - 1
-        return self._forward(step, [last_index[id(s)] for s in batch.seqs if s.needs_logits])
+        keep = [last_index[id(s)] for s in batch.seqs if s.needs_logits]
+        return self._forward(step, keep, batch.full_logit_rows)

@@ -7,8 +7,9 @@ its own scale and zero point: ``aten._weight_int4pack_mm_for_cpu``) or :class:`I
 cast to bfloat16 for the product (both kernels' fast paths take bfloat16 only: with float32
 activations they run a scalar path 5-20x slower than float32 ``F.linear``) and the result back
 to the model's dtype (a bfloat16 input gets a bfloat16 result: no casts between two quantized
-products). The LM head becomes an :class:`Int8Head` (int8 for a few rows of logits, with the
-candidates that can win recomputed in float32; the float head for many rows); everything else
+products). The LM head becomes a :class:`QuantizedHead` (int4 for a few rows of logits, with
+the candidates that can win recomputed in float32; the float head for many rows and for rows
+whose every logit matters); everything else
 (norms, attention, the embeddings) stays as the model was loaded.
 
 Modes: ``none``; ``int4``; ``int8``; ``auto`` keeps a GGUF file's own precision (its linear
@@ -107,105 +108,206 @@ def kernels_available() -> bool:
     )
 
 
-class Int4Linear(nn.Module):
+PACK_CHUNK_ROWS = 1024  # rows quantized at a time (a multiple of 32: see _int4_pack)
+
+
+def _rows(weights: list[torch.Tensor], start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of the weights ``weights`` stacked (views, or a copy of at most
+    ``stop - start`` rows where the range spans two of them), as float32."""
+    pieces, offset = [], 0
+    for weight in weights:
+        lo, hi = max(start - offset, 0), min(stop - offset, weight.shape[0])
+        if lo < hi:
+            pieces.append(weight.detach()[lo:hi])
+        offset += weight.shape[0]
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).float()
+
+
+def _int4_pack(weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 form of the weights ``weights`` stacked along the output (the joined rows of a
+    fused layer are those of its parts), made ``PACK_CHUNK_ROWS`` rows at a time: the CPU
+    packing lays out rows in blocks of 32 (16 for an odd tail), so packing chunks that are
+    multiples of 32 and concatenating them gives the whole packing byte for byte, and no float
+    copy of all the rows (nor an int32 one, 4 bytes a weight) is ever made.
+    Returns (packed ``[out, in / 2]`` uint8, scales and zeros ``[groups, out, 2]`` bfloat16)."""
+    out_features = sum(w.shape[0] for w in weights)
+    in_features = weights[0].shape[1]
+    packed_chunks, scale_chunks = [], []
+    for start in range(0, out_features, PACK_CHUNK_ROWS):
+        stop = min(start + PACK_CHUNK_ROWS, out_features)
+        groups = _rows(weights, start, stop).view(stop - start, -1, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        q = q.to(torch.int32).view(stop - start, in_features)
+        packed_chunks.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # (scale, zero) with w = (q - 8) * scale + zero, [rows, groups, 2]
+        scale_chunks.append(torch.stack([scale, low + 8 * scale], -1).to(torch.bfloat16))
+    packed = packed_chunks[0] if len(packed_chunks) == 1 else torch.cat(packed_chunks)
+    scales_zeros = torch.cat(scale_chunks).transpose(0, 1).contiguous()  # [groups, out, 2]
+    return packed, scales_zeros
+
+
+def _joined_bias(layers: list[nn.Linear]) -> nn.Parameter | None:
+    if layers[0].bias is None:
+        return None
+    return nn.Parameter(torch.cat([layer.bias.detach() for layer in layers]), requires_grad=False)
+
+
+class _QuantizedLinear(nn.Module):
+    """What Int4Linear and Int8Linear share: built from one ``nn.Linear`` or from ``parts``
+    (one layer whose output is the parts' outputs side by side, quantized straight from their
+    weights: no joined float copy), ``forward`` = ``_product`` plus the bias."""
+
+    def __init__(self, linear: nn.Linear | None = None, *, parts: list[nn.Linear] | None = None):
+        super().__init__()
+        layers = parts if parts is not None else [linear] if linear is not None else []
+        if not layers:
+            raise ValueError(f"{type(self).__name__} needs a linear layer or parts")
+        self.in_features = layers[0].in_features
+        self.out_features = sum(layer.out_features for layer in layers)
+        self._quantize([layer.weight for layer in layers])
+        self.bias = layers[0].bias if len(layers) == 1 else _joined_bias(layers)
+        if len(layers) > 1:
+            setattr(self, FUSED_PARTS, tuple(layer.out_features for layer in layers))
+
+    @classmethod
+    def joined(cls, layers: list[nn.Linear]) -> _QuantizedLinear:
+        return cls(parts=layers)
+
+    @classmethod
+    def supports(cls, linear: nn.Linear) -> bool:
+        return cls.fits(linear.in_features, linear.out_features)
+
+    @staticmethod
+    def fits(in_features: int, out_features: int) -> bool:
+        return True
+
+    def _quantize(self, weights: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W'.T (+ bias)`` in ``x``'s dtype (bfloat16 in, bfloat16 out: no cast)."""
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = self._product(flat).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(_QuantizedLinear):
     """``nn.Linear`` with 4-bit weights in groups of ``GROUP_SIZE`` (asymmetric: each group's
     min and max span q = 0..15). Invariant: ``in_features % GROUP_SIZE == 0`` and
     ``out_features % INT4_ROWS_MULTIPLE == 0`` (``supports`` says whether a layer fits)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        groups = weight.view(self.out_features, -1, GROUP_SIZE)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        q = q.to(torch.int32).view(self.out_features, self.in_features)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
-        # [groups, out, 2]: (scale, zero) with w = (q - 8) * scale + zero
-        scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_zeros", scales_zeros.to(torch.bfloat16))
-        self.bias = linear.bias
-
     @staticmethod
-    def supports(linear: nn.Linear) -> bool:
-        return (
-            linear.in_features % GROUP_SIZE == 0 and linear.out_features % INT4_ROWS_MULTIPLE == 0
+    def fits(in_features: int, out_features: int) -> bool:
+        return in_features % GROUP_SIZE == 0 and out_features % INT4_ROWS_MULTIPLE == 0
+
+    def _quantize(self, weights: list[torch.Tensor]) -> None:
+        packed, scales_zeros = _int4_pack(weights)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_zeros", scales_zeros)
+
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed, GROUP_SIZE, self.scales_zeros
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W'.T (+ bias)`` in ``x``'s dtype (bfloat16 in, bfloat16 out: no cast)."""
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.packed, GROUP_SIZE, self.scales_zeros
-        ).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
 
-
-class Int8Linear(nn.Module):
+class Int8Linear(_QuantizedLinear):
     """``nn.Linear`` with 8-bit weights, one symmetric scale per output channel."""
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    def _quantize(self, weights: list[torch.Tensor]) -> None:
+        q = torch.empty(self.out_features, self.in_features, dtype=torch.int8)
+        scales = torch.empty(self.out_features, dtype=torch.bfloat16)
+        for start in range(0, self.out_features, PACK_CHUNK_ROWS):  # no full-size temporaries
+            stop = min(start + PACK_CHUNK_ROWS, self.out_features)
+            weight = _rows(weights, start, stop)
+            scale = (weight.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+            q[start:stop] = torch.round(weight / scale[:, None]).clamp(-127, 127)
+            scales[start:stop] = scale
         self.register_buffer("weight_int8", q)
-        self.register_buffer("scales", scale.to(torch.bfloat16))
-        self.bias = linear.bias
+        self.register_buffer("scales", scales)
 
-    @staticmethod
-    def supports(linear: nn.Linear) -> bool:
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W'.T (+ bias)`` in ``x``'s dtype (bfloat16 in, bfloat16 out: no cast)."""
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def _product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
 
 
-class Int8Head(nn.Module):
-    """The LM head with int8 weights (per channel) for up to ``max_rows`` rows of logits and its
-    float weights (kept, usually tied to the input embeddings) for more: the int8 kernel reads a
-    quarter of the bytes, which wins while the product is bound by reading weights, and loses
-    to float32's matmul once enough rows share each weight read (measured on SmolLM2's
-    49152 x 576 head, one thread: 5.9 ms against 10.1 at 1 row, 13 against 33 at 8, 27 against
-    24 at 16).
+class QuantizedHead(nn.Module):
+    """The LM head with int4 (or int8) weights for up to ``max_rows`` rows of logits and its
+    float weights (kept, usually tied to the input embeddings: not copied) for more, and for
+    every row listed in ``float_rows``. The quantized kernels read an eighth (a quarter) of the
+    bytes, which wins while the product is bound by reading weights, and loses to float32's
+    matmul once enough rows share each weight read (measurements: benchmarks/RESULTS.md,
+    "LM head and projection kernels by rows").
 
-    The int8 logits are off by up to ~0.8 on SmolLM2 (mostly the bfloat16 rounding of the
-    activations the kernel needs), more than the gap between a greedy choice and the runner-up
-    at many positions. So each row's ``exact_top`` highest int8 logits are recomputed in float32
-    from the float weights: every logit that can win is the float head's own. A row where the
-    best recomputed logit is not ``margin`` above the ``exact_top``-th int8 one (a flat
-    distribution: a token left out could be the real best) is recomputed whole by the float
-    head. Invariant: the argmax of every row is the float head's argmax, provided the int8
-    logits are off by less than ``margin``; the other logits (sampling's tail, logprobs'
-    normaliser) are the int8 ones.
+    The quantized logits are off by more than the gap between a greedy choice and the
+    runner-up at many positions (SmolLM2: up to ~0.8 as int8, mostly the bfloat16 rounding of
+    the activations the kernels need; more as int4). So each row's ``exact_top`` highest
+    quantized logits are recomputed in float32 from the float weights: every logit that can win
+    is the float head's own. A row where the best recomputed logit is not ``margin`` above the
+    ``exact_top``-th quantized one (a flat distribution: a token left out could be the real
+    best) is recomputed whole by the float head.
+
+    ``float_rows`` (set by the model runner for one forward, then cleared): the rows whose
+    every logit matters -- sampled with a temperature, asked for logprobs, or masked by a
+    grammar (the masked argmax may be any allowed token) -- computed whole by the float head.
+
+    Invariant: every row's argmax is the float head's argmax, provided the quantized logits are
+    off by less than ``margin``; the rows in ``float_rows`` are the float head's logits. Only
+    the other logits of the other rows (greedy, unconstrained, no logprobs: nobody reads them)
+    are the quantized ones.
     """
 
     def __init__(
-        self, linear: nn.Linear, max_rows: int, exact_top: int = 32, margin: float = 1.0
+        self,
+        linear: nn.Linear,
+        max_rows: int,
+        kind: str = "int4",
+        exact_top: int | None = None,
+        margin: float | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.float_head = linear
-        self.int8_head = Int8Linear(linear)
+        self.kind = kind
+        self.quantized = Int4Linear(linear) if kind == "int4" else Int8Linear(linear)
         self.max_rows = max_rows
+        exact_top = HEAD_EXACT_TOP[kind] if exact_top is None else exact_top
         self.exact_top = min(exact_top, linear.out_features)
-        self.margin = margin
+        self.margin = HEAD_MARGINS[kind] if margin is None else margin
+        self.float_rows: list[int] = []  # this forward's rows that need all float logits
         self.num_float_rows = 0  # rows the margin sent to the float head (for measurements)
+
+    @staticmethod
+    def supports(linear: nn.Linear, kind: str) -> bool:
+        return kind == "int8" or Int4Linear.supports(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > self.max_rows or x.dtype != torch.float32:
+        num_rows, num_float = rows.shape[0], len(self.float_rows)
+        if (
+            x.dtype != torch.float32
+            or num_rows - num_float > self.max_rows
+            or num_float >= num_rows
+        ):
             return self.float_head(x)
-        logits = self.int8_head(rows)
+        if not num_float:
+            return self._greedy_rows(rows).view(*x.shape[:-1], self.out_features)
+        exact = torch.zeros(num_rows, dtype=torch.bool)
+        exact[self.float_rows] = True
+        logits = torch.empty(num_rows, self.out_features, dtype=x.dtype, device=x.device)
+        logits[exact] = self.float_head(rows[exact])
+        logits[~exact] = self._greedy_rows(rows[~exact])
+        return logits.view(*x.shape[:-1], self.out_features)
+
+    def _greedy_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of ``rows`` whose argmax is the float head's (see the class docstring)."""
+        logits = self.quantized(rows)
         approx, top = logits.topk(self.exact_top, dim=-1)
         weights = self.float_head.weight[top]  # [rows, exact_top, in_features]
         exact = torch.bmm(weights, rows.unsqueeze(-1)).squeeze(-1)
@@ -216,13 +318,20 @@ class Int8Head(nn.Module):
         if bool(unsure.any()):
             self.num_float_rows += int(unsure.sum())
             logits[unsure] = self.float_head(rows[unsure])
-        return logits.view(*x.shape[:-1], self.out_features)
+        return logits
 
 
-HEAD_INT8_MAX_ROWS = 12  # Int8Head: more rows of logits than this run the float head
+HEAD_MAX_ROWS = {"int4": 16, "int8": 12}  # QuantizedHead: more rows than this run float
+# The quantized logits' error the head's guarantee assumes (see QuantizedHead), and how many
+# candidates it recomputes. Measured on SmolLM2 (1,104 rows of real hidden states, prompts and
+# greedy continuations): int8 off by up to 0.79 (0.49 among each row's 64 best tokens), int4
+# by up to 5.3 (2.3 among the 64 best: the winner is among those). Rows sent whole to the float
+# head at these settings: none of the 1,104 as int8, 0.5 % as int4 at a margin of 3.
+HEAD_MARGINS = {"int4": 4.0, "int8": 1.0}
+HEAD_EXACT_TOP = {"int4": 64, "int8": 32}
 
 
-_LAYERS: dict[str, type[Int4Linear] | type[Int8Linear]] = {"int4": Int4Linear, "int8": Int8Linear}
+_LAYERS: dict[str, type[_QuantizedLinear]] = {"int4": Int4Linear, "int8": Int8Linear}
 
 
 @dataclass(slots=True)
@@ -235,7 +344,7 @@ class QuantizationReport:
     num_quantized: int = 0
     num_skipped: int = 0
     fallback_reason: str | None = None
-    head: str = "as loaded"  # the LM head: "int8" (Int8Head) or as loaded
+    head: str = "as loaded"  # the LM head: "int4"/"int8" (QuantizedHead) or as loaded
 
     def describe(self) -> str:
         """A few words for the worker's start line: the mode that ran and, where ``auto`` chose
@@ -257,19 +366,19 @@ def resolve_mode(mode: str, source: str | os.PathLike[str] | None = None) -> str
     return check_quantization(mode)
 
 
-def joined_quantizer(mode: str) -> Callable[[nn.Linear], nn.Module] | None:
-    """For ``fuse_projections(convert=...)``: each joined layer quantized as ``mode`` (``int4``
-    or ``int8``) when it fits the kernel, else left float; None when nothing would be."""
+def joined_quantizer(mode: str) -> Callable[[list[nn.Linear]], nn.Module | None] | None:
+    """For ``fuse_projections(convert=...)``: one layer joining ``layers``' outputs, quantized
+    as ``mode`` (``int4`` or ``int8``) straight from their weights (no joined float copy), or
+    None where the joined shape does not fit the kernel (then joined as float); None when
+    nothing would be quantized."""
     if mode not in _LAYERS or not kernels_available():
         return None
     layer_cls = _LAYERS[mode]
 
-    def quantize(linear: nn.Linear) -> nn.Module:
-        if not layer_cls.supports(linear):
-            return linear
-        layer = layer_cls(linear)
-        setattr(layer, FUSED_PARTS, fused_parts(linear))
-        return layer
+    def quantize(layers: list[nn.Linear]) -> nn.Module | None:
+        out_features = sum(layer.out_features for layer in layers)
+        fits = layer_cls.fits(layers[0].in_features, out_features)
+        return layer_cls.joined(layers) if fits else None
 
     return quantize
 
@@ -278,7 +387,7 @@ def quantize_model(
     model: Any, mode: str, device: torch.device, source: str | os.PathLike[str] | None = None
 ) -> QuantizationReport:
     """Swap ``model``'s linear layers for quantized ones and its LM head for an
-    :class:`Int8Head`, in place.
+    :class:`QuantizedHead`, in place.
 
     ``mode`` ``auto`` takes the precision of the GGUF file ``source`` was converted from (float
     when unknown). Falls back to the model as loaded, with one warning naming the model and the
@@ -315,7 +424,7 @@ def quantize_model(
         return report
     for parent, name, linear in fitting:
         layer = layer_cls(linear)
-        if hasattr(linear, FUSED_PARTS):
+        if hasattr(linear, FUSED_PARTS):  # joined as float (not by joined_quantizer)
             setattr(layer, FUSED_PARTS, fused_parts(linear))
         setattr(parent, name, layer)
     for parent, _, _ in fitting:  # a fused MLP both of whose products are quantized
@@ -334,14 +443,17 @@ def quantize_model(
 
 
 def _quantize_head(model: Any) -> str:
-    """Swap ``model``'s LM head for an :class:`Int8Head`; what the head runs as now."""
+    """Swap ``model``'s LM head for a :class:`QuantizedHead` (int4 where its shape fits the
+    kernel, else int8, whatever the mode of the other layers: the head's guarantees do not depend
+    on its precision); what the head runs as now."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if type(head) is not nn.Linear:
         return "as loaded"
+    kind = "int4" if QuantizedHead.supports(head, "int4") else "int8"
     for name, child in model.named_children():
         if child is head:
-            setattr(model, name, Int8Head(head, HEAD_INT8_MAX_ROWS))
-            return "int8"
+            setattr(model, name, QuantizedHead(head, HEAD_MAX_ROWS[kind], kind))
+            return kind
     return "as loaded"
 
 
