@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="add the quantized side once more, run through the model's own forward instead of "
         "the runner's fast decoder loop (fast_forward.py)",
     )
+    parser.add_argument(
+        "--head-baseline",
+        default="none",
+        choices=("none", "int8"),
+        help="also run the quantized side with this LM head instead of its own (int8: the "
+        "int8 QuantizedHead the int4 head replaced), as one more side of the same run",
+    )
     add_record_flag(parser)
     return parser
 
@@ -105,6 +112,7 @@ def tokenfleet_side(
     shuffled: bool,
     quantization: str = "none",
     fast_forward: bool = True,
+    head: str = "none",
 ) -> Side:
     from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
     from tokenfleet.worker.engine.block_manager import BlockManager
@@ -116,6 +124,14 @@ def tokenfleet_side(
     runner = ModelRunner(model_dir, device=args.device, dtype="float32", block_size=bs,
                          num_kv_blocks=pool, quantization=quantization,
                          fast_forward=fast_forward)  # fmt: skip
+    if head != "none":  # the same quantized model with another LM head (--head-baseline)
+        from tokenfleet.worker.engine.quantization import HEAD_MAX_ROWS, QuantizedHead
+
+        float_head = runner.model.lm_head.float_head
+        runner.model.lm_head = QuantizedHead(float_head, HEAD_MAX_ROWS[head], head)
+        runner._quantized_head = runner.model.lm_head
+        if runner.fast is not None:
+            runner.fast.head = runner.model.lm_head
     if shuffled:  # worst case: no two consecutive blocks of a table adjacent in memory
         blocks = list(range(pool))
         random.Random(args.seed).shuffle(blocks)
@@ -148,6 +164,7 @@ def tokenfleet_side(
 
     if quantization != "none":
         name = f"tokenfleet, {runner.quantization.applied}"
+        name += f", {head} head" if head != "none" else ""
         return Side(name if fast_forward else name + MODEL_FORWARD, step)
     return Side(SHUFFLED if shuffled else OURS, step)
 
@@ -262,6 +279,18 @@ def measure(
             )
             for fast in ((True, False) if args.compare_forward else (True,))
         ]
+    if args.quantization != "none" and args.head_baseline != "none":
+        sides.append(
+            tokenfleet_side(
+                model_dir,
+                prompts,
+                lengths,
+                args,
+                shuffled=False,
+                quantization=args.quantization,
+                head=args.head_baseline,
+            )
+        )
     sides += [
         hf_side(model_dir, impl, prompts, lengths, args.block_size, args.device)
         for impl in ("sdpa", "eager")
