@@ -119,15 +119,24 @@ def test_the_quantized_head_serves_few_rows_and_the_float_head_many(kind: str) -
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_the_quantized_head_hands_unsure_rows_to_the_float_head(kind: str) -> None:
+def test_the_quantized_head_widens_or_hands_unsure_rows_to_the_float_head(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A row whose best recomputed logit is not ``margin`` above the quantized candidates left
-    out is computed whole in float32."""
+    out has every token within ``margin`` recomputed too (here: all of them), or, with more of
+    those than ``WIDE_CANDIDATES``, is computed whole in float32."""
+    import tokenfleet.worker.engine.quantization as quantization
+
     linear = random_head(208, 64, seed=3, bias=False)
     head = QuantizedHead(linear, max_rows=4, kind=kind, exact_top=8, margin=1e9)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(head(x), linear(x), atol=1e-5, rtol=0)
-    assert head.num_float_rows == 3
+    assert (head.num_wide_rows, head.num_float_rows) == (3, 0)
+    monkeypatch.setattr(quantization, "WIDE_CANDIDATES", 207)
+    with torch.no_grad():
+        torch.testing.assert_close(head(x), linear(x), atol=1e-5, rtol=0)
+    assert (head.num_wide_rows, head.num_float_rows) == (3, 3)
 
 
 def head_error(head: QuantizedHead, x: torch.Tensor) -> float:
@@ -180,7 +189,7 @@ def test_the_quantized_head_picks_the_float_heads_token_at_near_ties(kind: str) 
     assert float((near[:16, 0] - near[:16, 1]).max()) < 2e-3  # near-ties indeed
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert not torch.equal(alone.argmax(-1), want.argmax(-1))  # the test can fail
-    assert head.num_float_rows >= 8  # the flat rows went to the float head
+    assert head.num_wide_rows + head.num_float_rows >= 8  # the flat rows: all near recomputed
 
 
 @pytest.mark.parametrize("kind", ["int4", "int8"])

@@ -251,7 +251,9 @@ class QuantizedHead(nn.Module):
     quantized logits are recomputed in float32 from the float weights: every logit that can win
     is the float head's own. A row where the best recomputed logit is not ``margin`` above the
     ``exact_top``-th quantized one (a flat distribution: a token left out could be the real
-    best) is recomputed whole by the float head.
+    best) has every token whose quantized logit is within ``margin`` of that best recomputed
+    too (only those can beat it), or, when there are more than ``WIDE_CANDIDATES`` of them, is
+    recomputed whole by the float head.
 
     ``float_rows`` (set by the model runner for one forward, then cleared): the rows whose
     every logit matters -- sampled with a temperature, asked for logprobs, or masked by a
@@ -282,6 +284,7 @@ class QuantizedHead(nn.Module):
         self.margin = HEAD_MARGINS[kind] if margin is None else margin
         self.float_rows: list[int] = []  # this forward's rows that need all float logits
         self.num_float_rows = 0  # rows the margin sent to the float head (for measurements)
+        self.num_wide_rows = 0  # rows whose near candidates were recomputed (measurements)
 
     @staticmethod
     def supports(linear: nn.Linear, kind: str) -> bool:
@@ -314,13 +317,25 @@ class QuantizedHead(nn.Module):
         if self.float_head.bias is not None:
             exact = exact + self.float_head.bias[top]
         logits.scatter_(1, top, exact)
-        unsure = exact.amax(-1) < approx[:, -1] + self.margin
-        if bool(unsure.any()):
-            self.num_float_rows += int(unsure.sum())
-            logits[unsure] = self.float_head(rows[unsure])
+        best = exact.amax(-1)
+        for i in (best < approx[:, -1] + self.margin).nonzero().flatten().tolist():
+            # A token left out could win: only those within ``margin`` of the best exact logit
+            # can (quantized logits off by less than it), so they are recomputed too; a flat
+            # row with too many of them is recomputed whole.
+            near = (logits[i] > best[i] - self.margin).nonzero().flatten()
+            if len(near) > WIDE_CANDIDATES:
+                self.num_float_rows += 1
+                logits[i] = self.float_head(rows[i])
+                continue
+            exact_near = self.float_head.weight[near] @ rows[i]
+            if self.float_head.bias is not None:
+                exact_near = exact_near + self.float_head.bias[near]
+            logits[i, near] = exact_near
+            self.num_wide_rows += 1
         return logits
 
 
+WIDE_CANDIDATES = 4096  # QuantizedHead: a row with more near candidates runs the float head
 HEAD_MAX_ROWS = {"int4": 16, "int8": 12}  # QuantizedHead: more rows than this run float
 # The quantized logits' error the head's guarantee assumes (see QuantizedHead), and how many
 # candidates it recomputes. Measured on SmolLM2 (1,104 rows of real hidden states, prompts and
