@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tomllib
 import venv
@@ -13,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from child_process import run_command
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {
@@ -39,7 +39,7 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    built = run_command(
         [
             sys.executable,
             "-m",
@@ -52,9 +52,9 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             str(out),
             str(ROOT),
         ],
-        check=True,
-        capture_output=True,
+        timeout_s=600,
     )
+    assert built.returncode == 0, built.stderr
     (path,) = out.glob("tokenfleet-*.whl")
     return path
 
@@ -105,7 +105,7 @@ cli.build_parser()
 assert "torch" not in [m for m in sys.modules if sys.modules[m] is not None]
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_command([sys.executable, "-c", code], timeout_s=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -115,28 +115,20 @@ def test_clean_venv_install_imports_producer_without_torch(wheel: Path, tmp_path
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(wheel)],
-        check=True,
-        capture_output=True,
-        timeout=300,
+    installed = run_command(
+        [str(python), "-m", "pip", "install", "--quiet", str(wheel)], timeout_s=300
     )
+    assert installed.returncode == 0, installed.stderr
     check = (
         "import importlib.util, tokenfleet.producer, tokenfleet.shared.schema;"
         "assert importlib.util.find_spec('torch') is None, 'torch was installed';"
         "print('ok')"
     )
     clean_env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-    out = subprocess.run(
-        [str(python), "-c", check], capture_output=True, text=True, env=clean_env, cwd=tmp_path
-    )
+    out = run_command([str(python), "-c", check], clean_env, inherit_env=False, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     for bare in ("shared", "worker", "producer"):
-        res = subprocess.run(
-            [str(python), "-c", f"import {bare}"],
-            capture_output=True,
-            text=True,
-            env=clean_env,
-            cwd=tmp_path,
+        res = run_command(
+            [str(python), "-c", f"import {bare}"], clean_env, inherit_env=False, cwd=tmp_path
         )
         assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr, bare

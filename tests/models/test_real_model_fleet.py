@@ -6,17 +6,15 @@ Both run the default quantization, ``auto``: the Q4_1 file's linear layers execu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+from child_process import ChildProcess, tokenfleet_args
 from conftest import CHATS, MODEL_CACHE
+from waiting import wait_for
 
 from tokenfleet.producer import Client
 from tokenfleet.shared.keys import Keys
@@ -51,36 +49,33 @@ def test_seeded_sampling_is_reproducible_alone_and_batched(
 
 
 @pytest.fixture(scope="module")
-def worker(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def worker(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChildProcess]:
     """A real ``tokenfleet worker --model smollm2`` (through the GGUF cache, as users start it)."""
     log_path = tmp_path_factory.mktemp("logs") / "worker.log"
     env = {
-        **os.environ,
         "REDIS_URL": redis_server.url,
         "TOKENFLEET_KEY_PREFIX": PREFIX,
         "TOKENFLEET_MODEL_CACHE": str(MODEL_CACHE),
     }
-    args = [sys.executable, "-m", "tokenfleet.worker.cli", "worker", "--model", "smollm2"]
-    args += ["--name", "real-1", "--threads", "1", "--dtype", "float32"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            r = redis.Redis.from_url(redis_server.url)
-            deadline = time.monotonic() + 180
-            while not r.exists(Keys(PREFIX).worker("real-1")):
-                assert proc.poll() is None, log_path.read_text()
-                assert time.monotonic() < deadline, "worker not ready:\n" + log_path.read_text()
-                time.sleep(0.05)
-            yield proc, log_path
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    args = tokenfleet_args("worker", "--model", "smollm2", "--name", "real-1", "--threads", "1",
+                           "--dtype", "float32")  # fmt: skip
+    proc = ChildProcess(args, log_path, env)
+    try:
+        r = redis.Redis.from_url(redis_server.url)
+
+        def ready() -> bool:
+            assert proc.alive(), proc.output(tail=None)
+            return bool(r.exists(Keys(PREFIX).worker("real-1")))
+
+        wait_for(ready, "the worker's heartbeat", timeout_s=180)
+        yield proc
+    finally:
+        proc.close(grace_s=60)
 
 
 def test_a_worker_returns_what_the_engine_returns(
-    worker: Any, redis_server: Any, engine: Engine, chat_prompts: list[list[int]]
+    worker: ChildProcess, redis_server: Any, engine: Engine, chat_prompts: list[list[int]]
 ) -> None:
-    _proc, log_path = worker
     cases: list[dict[str, Any]] = [
         {"temperature": 0.0, "max_tokens": 48},
         SEEDED,
@@ -104,7 +99,7 @@ def test_a_worker_returns_what_the_engine_returns(
         assert got.text == ref.text
         assert ref.finish_reason is not None and got.finish_reason == ref.finish_reason.value
     assert "Paris" in results[0].text
-    log = log_path.read_text()
+    log = worker.output(tail=None)
     assert "134.5M parameters" in log and "KV cache" in log  # the startup line
     assert "quantization int4 (auto: the GGUF file's precision, 210 linear layers)" in log
     # the default KV holds a full batch of chats (32 x 512 tokens), so no sequence cap below
