@@ -318,7 +318,7 @@ def test_browser_eventsource_across_keepalives_and_a_gateway_restart(fleet: Flee
             page.wait_for_timeout(1_000)  # ten keep-alive intervals in the browser
             assert not page.evaluate("window.seen.done"), "the request ended before the stall"
             fleet.gateway.signal(signal.SIGKILL)
-            fleet.gateway.proc.wait(10)
+            fleet.gateway.wait(10)
             fleet.gateway.close()
             fleet.gateway = Gateway(
                 fleet.redis_url,
