@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import redis
+from worker_helpers import worker_service
 
+from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 
@@ -45,3 +47,14 @@ def rr(redis_server: RedisServer) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_server.url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def service(r: redis.Redis, settings: Settings, tiny_model_dir: Path) -> Iterator[Any]:
+    """An in-process ``WorkerService`` named "w1" on the tiny model, its loop driven by hand (no
+    heartbeat is written: other workers find it dead); its run table's invariants checked at
+    the end."""
+    svc = worker_service(r, settings, tiny_model_dir, "w1")
+    yield svc
+    svc.outbox.flush()
+    svc.table.check_invariants()

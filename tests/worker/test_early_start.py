@@ -9,8 +9,6 @@ exact; the last test drives the real reader, waiting for each reply before the l
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +29,6 @@ from tokenfleet.worker.engine.request import SamplingParams as EngineParams
 from tokenfleet.worker.intake.reader import Delivery
 from tokenfleet.worker.publish.publisher import Publisher
 from tokenfleet.worker.service import WorkerService
-from tokenfleet.worker.worker_settings import WorkerSettings
 
 STREAM = "tft:q:default:normal"
 PROMPT = [5, 17, 42, 99, 7, 23]
@@ -54,18 +51,6 @@ class AnsweringReader:
     def resolve(self) -> Delivery:
         self.resolves += 1
         return self.deliveries.pop(0) if self.deliveries else Delivery()
-
-
-@pytest.fixture
-def service(r: redis.Redis, settings: Settings, tiny_model_dir: Path) -> Iterator[WorkerService]:
-    from tokenfleet.worker.engine.engine import Engine
-
-    ws = WorkerSettings(model=str(tiny_model_dir), name="w1")
-    svc = WorkerService(Engine(tiny_model_dir, device="cpu"), settings, ws, client=r)
-    svc.intake.streams.ensure_groups()
-    yield svc
-    svc.outbox.flush()
-    svc.table.check_invariants()
 
 
 def _request(rid: str) -> Any:

@@ -249,3 +249,57 @@ def test_sigterm_lets_a_running_request_finish_within_the_grace_period(
         assert rec is not None and rec.status == "done" and rec.attempts == 1
     finally:
         w.close()
+
+
+def test_a_stalled_worker_claims_back_what_a_stalled_peer_took_from_it(
+    tiny_model_dir: Path,
+    redis_server: RedisServer,
+    rr: redis.Redis,
+    reference: list[Any],
+    tmp_path: Path,
+) -> None:
+    """Two starved workers taking one request from each other (each looks dead while stalled:
+    SIGSTOP past the heartbeat TTL). The first, resumed, still runs the request (or holds its
+    aborted run) when it claims it back from the stalled second: the newer start replaces its
+    run. One ``done`` end, every token once, three attempts (none lost to a dropped start),
+    never "already in the engine"."""
+    keys = Keys("tfb")
+    workers = {
+        n: WorkerProc(tiny_model_dir, redis_server.url, "tfb", n, tmp_path) for n in ("b-a", "b-b")
+    }
+    rid = "b-0"
+    try:
+        for w in workers.values():
+            w.wait_ready(rr)
+        log = subscribe(rr, keys, [rid])
+        enqueue(rr, keys, make_request(rid, prompt=PROMPTS[0], sampling=_greedy()))
+        first = workers[_holder(rr, keys, [rid])]
+        second = next(w for w in workers.values() if w is not first)
+        first.signal(signal.SIGSTOP)  # starved: its heartbeat lapses, the second claims
+
+        def taken() -> bool:
+            rec = record(rr, keys, rid)
+            return rec is not None and rec.worker == second.name and rec.attempts == 2
+
+        wait_for(taken, "the second worker's start", poll_s=0.002)
+        second.signal(signal.SIGSTOP)  # starved in turn, before it ends the request
+        wait_for(lambda: not rr.exists(keys.worker(second.name)), "the second's heartbeat gone")
+        first.signal(signal.SIGCONT)  # claims it back from the second (dead to it)
+        term = log.wait_terminal(rid)
+        second.signal(signal.SIGCONT)
+        rec = wait_terminal(rr, keys, rid)
+        events = log.tokens(rid)
+        assert [e.index for e in events] == list(range(MAX_TOKENS))  # no gap, no duplicate
+        assert [e.token_id for e in events] == reference[0].token_ids
+        assert term.status == "done" and term.num_tokens == rec.num_tokens == MAX_TOKENS, term
+        assert rec.status == "done" and rec.attempts == 3, rec
+        ends = [e for e in log.events[rid] if not hasattr(e, "token_id")]
+        assert ends == [term]  # exactly one terminal event
+        for w in workers.values():
+            w.check_alive(f"worker {w.name}")
+            assert "already in the engine" not in w.output(None)
+    finally:
+        for w in workers.values():
+            if w.alive():
+                w.signal(signal.SIGCONT)
+            w.close()

@@ -220,3 +220,15 @@ class WorkerProc(ChildProcess):
             return bool(r.exists(self.keys.worker(self.name)))
 
         wait_for(ready, f"worker {self.name}'s heartbeat", timeout_s, 0.05)
+
+
+def worker_service(r: redis.Redis, settings: Any, model_dir: Path, name: str) -> Any:
+    """An in-process ``WorkerService`` named ``name``, its consumer groups created."""
+    from tokenfleet.worker.engine.engine import Engine
+    from tokenfleet.worker.service import WorkerService
+    from tokenfleet.worker.worker_settings import WorkerSettings
+
+    ws = WorkerSettings(model=str(model_dir), name=name)
+    svc = WorkerService(Engine(model_dir, device="cpu"), settings, ws, client=r)
+    svc.intake.streams.ensure_groups()
+    return svc

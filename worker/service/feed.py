@@ -133,6 +133,14 @@ class Feeder:
         """Claim what dead workers left (inherited entries first) within the engine's room and
         start it, and this worker's own orphans (``claimer``); returns the seconds until the
         next claim round."""
+        # The publishes in flight answer first. One for a request another worker took over
+        # (this one looked dead, starved past its heartbeat TTL) answers ``lost`` while that
+        # worker holds it, and the run here is aborted; were the request claimed back first,
+        # its START would make this worker the holder again and the publish's check (and
+        # repair) would take the new start's state for the old run's. The request, claimed back
+        # now, then replaces the aborted run (``_own``) or, if no publish told yet, the running
+        # one (``add``).
+        self.outbox.flush()
         budget = self.budget() - self.reader.held
         known = None if self.reader.starting else self.known_entries(early=True)
         self.admit(self.claimer.claim(budget, known), claimed=True)
@@ -249,8 +257,16 @@ class Feeder:
         """Add a started job to the engine and the table; one the engine refuses ends ``error``
         at once."""
         table = self.table
-        if job.request_id in table.jobs or job.request_id in table.preparing:
-            return  # delivered twice (cannot happen by protocol)
+        if job.request_id in table.preparing:  # started again while its prompt is prepared:
+            table.prepare(job)  # the newer start (its attempt, its resume tokens) replaces it
+            return
+        if job.request_id in table.jobs:  # claimed back while it runs, nothing published since
+            # (``claim``): the newer start rules; its run replaces the old one, from the tokens
+            # Redis holds, once the engine has reported the old one's end
+            table.remove(job.request_id)
+            if self.engine.abort(job.request_id):
+                table.aborted(job.request_id, job)
+                return
         try:
             self.prep.check(job.request)  # refused on its length alone: never tokenized
             if self.prep.off_loop(job.request):

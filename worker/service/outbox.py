@@ -167,10 +167,11 @@ class Outbox:
         for rid in self.table.take_cancels():
             job = self.table.jobs.get(rid)
             if job is not None:
-                self.engine.abort(rid)
+                aborted = self.engine.abort(rid)
                 self.finish_now(
                     job, TerminalStatus.CANCELLED, None, "cancelled by the client while running"
                 )
+                self._aborted(rid, aborted)
 
     def close(self) -> None:
         """Drop the publisher's connection (after the last flush)."""
@@ -263,7 +264,16 @@ class Outbox:
                 self.worker_name,
                 rid,
             )
-            self.engine.abort(rid)
+            self._aborted(rid, self.engine.abort(rid))
+
+    def _aborted(self, rid: str, unfinished: bool) -> None:
+        """``rid``, out of ``jobs`` now, was aborted in the engine (``unfinished``: the engine
+        still holds it). Until the engine reports its end it stays in ``aborting``, so that the
+        request, claimed back meanwhile (another worker took it over while this one was starved,
+        then lost it too), is added again only then and never refused as a duplicate id
+        (``Feeder._own``)."""
+        if unfinished and rid not in self.table.jobs:
+            self.table.aborted(rid)
 
     def _apply(self, result: StepResult[Job]) -> None:
         if self.pool is not None and result.pool_reply is not None:
@@ -302,10 +312,11 @@ class Outbox:
         log.warning(
             "worker %s: %s has inconsistent state (%s); ending it", self.worker_name, rid, cause
         )
-        self.engine.abort(rid)
+        aborted = self.engine.abort(rid)
         self.finish_now(
             job, TerminalStatus.ERROR, CORRUPT_STATE, f"inconsistent request state: {cause}"
         )
+        self._aborted(rid, aborted)
 
 
 def finish_of(job: Job, event: TerminalEvent, events: Sequence[TokenEvent] = ()) -> Finish:

@@ -88,6 +88,13 @@ class RunTable:
         """The early run of ``request_id`` was aborted in the engine; ``restart``: the job to add
         again (with its resume tokens) once the engine has reported the id finished."""
         self.early.pop(request_id, None)
+        self.aborted(request_id, restart)
+
+    def aborted(self, request_id: str, restart: Job | None = None) -> None:
+        """``request_id``, in none of the other maps any more, was aborted in the engine, which
+        holds it until the next step reports its end; ``restart``: the job to add again then. A
+        request started again meanwhile (claimed back) waits for that end here: the engine
+        refuses an id it still holds."""
         # an abort, or an end inside the step being processed, is reported exactly once
         self.aborting[request_id] = restart
 
