@@ -19,6 +19,11 @@ every sequence opens a new KV block once per cycle, as in a real decode.
   ``--compare-forward`` adds it once more run through the model's own forward instead of the
   runner's fast decoder loop (``fast_forward.py``): the same logits, the loop's saving.
 
+* tokenfleet, KV stored as another dtype (``--kv-dtypes``, e.g. ``float32,bfloat16,float16``):
+  the BlockManager side with its cache in 16 bits (attention still computes in float32); its
+  logits differ by that rounding (printed). The run also prints the KV tokens each dtype holds
+  in the default pool's memory and in the cap of the default sizing (half the free memory).
+
 Every other side computes the same logits (checked first). Repetitions are interleaved and
 their order alternates (A B C D, D C B A, ...) so machine noise hits all sides alike; medians
 after warm-up.
@@ -27,6 +32,8 @@ after warm-up.
     .venv/bin/python benchmarks/bench_decode_step.py --threads 1 --clock cpu   # on a busy machine
     .venv/bin/python benchmarks/bench_decode_step.py --model smollm2 --batch 1,8,32 --threads 1 \
         --reps 60 --plot benchmarks/plots/decode_smollm2.png      # the real model, with a plot
+    .venv/bin/python benchmarks/bench_decode_step.py --model smollm2 --batch 8,32 --context 512 \
+        --threads 1 --clock cpu --quantization none --kv-dtypes float32,bfloat16,float16
 """
 
 from __future__ import annotations
@@ -80,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the quantized tokenfleet side's mode (none: no such side)",
     )
     parser.add_argument(
+        "--kv-dtypes",
+        default="",
+        help="extra tokenfleet sides with the KV cache stored as each of these comma-separated "
+        "dtypes (bfloat16, float16; the plain sides store float32), and a table of the KV "
+        "tokens each holds",
+    )
+    parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
         default="wall",
@@ -113,6 +127,7 @@ def tokenfleet_side(
     quantization: str = "none",
     fast_forward: bool = True,
     head: str = "none",
+    kv_dtype: str | None = None,
 ) -> Side:
     from tokenfleet.worker.engine.batch import ScheduledSeq, StepBatch
     from tokenfleet.worker.engine.block_manager import BlockManager
@@ -123,7 +138,8 @@ def tokenfleet_side(
     pool = 2 * batch * per_seq
     runner = ModelRunner(model_dir, device=args.device, dtype="float32", block_size=bs,
                          num_kv_blocks=pool, quantization=quantization,
-                         fast_forward=fast_forward)  # fmt: skip
+                         fast_forward=fast_forward,
+                         kv_dtype=kv_dtype or "float32")  # fmt: skip
     if head != "none":  # the same quantized model with another LM head (--head-baseline)
         from tokenfleet.worker.engine.quantization import HEAD_MAX_ROWS, QuantizedHead
 
@@ -166,6 +182,8 @@ def tokenfleet_side(
         name = f"tokenfleet, {runner.quantization.applied}"
         name += f", {head} head" if head != "none" else ""
         return Side(name if fast_forward else name + MODEL_FORWARD, step)
+    if kv_dtype is not None:
+        return Side(f"{KV_SIDE}{kv_dtype}", step)
     return Side(SHUFFLED if shuffled else OURS, step)
 
 
@@ -221,6 +239,7 @@ OURS = "tokenfleet, BlockManager tables"
 HEADLINE_KEYS = ("decode-step", "smollm2-decode", "smollm2-decode-int4")
 SHUFFLED = "tokenfleet, shuffled tables"
 MODEL_FORWARD = ", model forward"  # suffix of the quantized side without the fast decoder loop
+KV_SIDE = "tokenfleet, KV "  # + the storage dtype (--kv-dtypes)
 
 
 def floor_side(
@@ -264,6 +283,11 @@ def measure(
     sides = [
         tokenfleet_side(model_dir, prompts, lengths, args, shuffled=shuffled)
         for shuffled in (False, True)
+    ]
+    sides += [
+        tokenfleet_side(model_dir, prompts, lengths, args, shuffled=False, kv_dtype=kv)
+        for kv in kv_dtypes(args)
+        if kv != "float32"  # the plain sides
     ]
     if args.quantization != "none":
         quantization = args.quantization
@@ -335,6 +359,37 @@ def report(batch: int, times: dict[str, list[float]], args: argparse.Namespace) 
               f"{deciles[-1] * 1e3:6.2f} | {med / base:9.2f} |")  # fmt: skip
 
 
+def kv_dtypes(args: argparse.Namespace) -> list[str]:
+    return [d for d in str(args.kv_dtypes).split(",") if d]
+
+
+def kv_capacity(model_dir: Path, args: argparse.Namespace) -> None:
+    """KV tokens each ``--kv-dtypes`` dtype holds: the default pool (the engine's
+    ``default_kv_tokens``) and its memory, and the default's cap (half the memory free now)."""
+    from transformers import AutoConfig
+
+    from tokenfleet.worker.engine.config import EngineConfig
+    from tokenfleet.worker.engine.kv_sizing import KV_FREE_MEMORY_SHARE, free_memory_bytes
+    from tokenfleet.worker.engine.model_runner import ModelRunner
+
+    config, tokens = AutoConfig.from_pretrained(model_dir), EngineConfig().default_kv_tokens
+    free = free_memory_bytes(torch.device(args.device)) or 0
+    cap = int(free * KV_FREE_MEMORY_SHARE)
+    f32 = ModelRunner.kv_bytes_per_block(config, args.block_size, "float32") // args.block_size
+    before = tokens * f32  # the default pool's memory in float32
+    print(
+        f"\nKV cache: the default pool ({tokens} tokens) took {before / 2**20:.0f} MiB in "
+        f"float32; the default is capped at half of the {free / 2**30:.1f} GiB free now"
+    )
+    print(f"| KV dtype | bytes per token | tokens in {before / 2**20:.0f} MiB | default pool's "
+          "memory | tokens the cap holds |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for kv in ["float32"] + [d for d in kv_dtypes(args) if d != "float32"]:
+        per_token = ModelRunner.kv_bytes_per_block(config, args.block_size, kv) // args.block_size
+        print(f"| {kv} | {per_token} | {before // per_token} | "
+              f"{tokens * per_token / 2**20:.0f} MiB | {cap // per_token} |")  # fmt: skip
+
+
 def plot(results: dict[int, dict[str, list[float]]], path: Path, title: str) -> None:
     """Decode tokens/s (batch / median step time) against batch size, one line per side."""
     import matplotlib
@@ -382,6 +437,8 @@ def main() -> None:
         for batch in batches:
             results[batch] = measure(model_dir, batch, args, clock)
             report(batch, results[batch], args)
+        if kv_dtypes(args):
+            kv_capacity(model_dir, args)
     if args.plot:
         title = f"decode step, {args.model or 'tiny llama'}, {args.threads} thread(s)"
         plot(results, Path(args.plot), title)
@@ -407,13 +464,15 @@ def vs_hf(times: dict[str, list[float]], side: str) -> float:
 
 def quantized_side(times: dict[str, list[float]]) -> str | None:
     """The quantized tokenfleet side's name (``tokenfleet, <mode applied>``), if it ran."""
+    plain = (OURS, SHUFFLED)
     return next(
         (
             n
             for n in times
             if n.startswith("tokenfleet, ")
-            and n not in (OURS, SHUFFLED)
+            and n not in plain
             and not n.endswith(MODEL_FORWARD)
+            and not n.startswith(KV_SIDE)
         ),
         None,
     )

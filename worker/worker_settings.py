@@ -21,7 +21,12 @@ from tokenfleet.shared.declared_settings import env_names, label, setting
 from tokenfleet.shared.errors import SettingsError
 from tokenfleet.shared.keys import DEFAULT_MODEL, check_model_name, check_name
 from tokenfleet.shared.priority import BACKGROUND, PRIORITIES, Priority
-from tokenfleet.worker.engine.config import QUANTIZATION_MODES, check_quantization
+from tokenfleet.worker.engine.config import (
+    KV_DTYPES,
+    QUANTIZATION_MODES,
+    check_kv_dtype,
+    check_quantization,
+)
 from tokenfleet.worker.pool.config import weight_milli
 
 # Fixed on purpose, not settings (nobody running a fleet has a reason to turn them):
@@ -148,6 +153,16 @@ class WorkerSettings:
         syntax="memory: 512M, 4GiB, 1.5G or bytes",
         shown_default="max-num-seqs x kv-tokens-per-seq tokens",
         help="KV cache size in memory, e.g. 512M or 4GiB (binary units)",
+    )
+    kv_dtype: str = setting(
+        "auto",
+        env="TOKENFLEET_KV_DTYPE",
+        flag="--kv-dtype",
+        choices=KV_DTYPES,
+        help="KV cache storage: auto, float32, bfloat16 or float16 (attention computes in the "
+        "model's dtype); auto stores float16 on a CPU under float32 compute (twice the tokens "
+        "per byte; greedy output equal but for near-ties) and the model's dtype on CUDA",
+        see=("KV cache storage", "engine.md#kv-cache-storage"),
     )
     kv_tokens_per_seq: int = setting(
         512,
@@ -320,6 +335,7 @@ class WorkerSettings:
         for name in ("steal_after_s", "overflow_after_s"):
             _check_at_least_0(name, getattr(self, name))
         _check("quantization", check_quantization, self.quantization)
+        _check("kv_dtype", check_kv_dtype, self.kv_dtype)
         if not self.model:
             raise SettingsError("no model given: pass --model PATH|HUB_ID or set TOKENFLEET_MODEL")
         named = "overflow_for" if self.overflow_for is not None else "model_name"
@@ -392,6 +408,7 @@ class WorkerSettings:
             "kv_tokens_per_seq": self.kv_tokens_per_seq,
             "block_size": self.block_size,
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "quantization": self.quantization,
             "background_yields": self.batch_yields,
             "share_prefill": self.share_prefill,

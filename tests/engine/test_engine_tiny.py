@@ -46,20 +46,21 @@ def hf_model(model_dir: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def make_engine(model_dir: Path) -> Engine:
+def make_engine_config() -> EngineConfig:
     """Small pool (preemption), small token budget (chunked prefill), 8-token blocks."""
-    return Engine(
-        model_dir,
-        EngineConfig(
-            block_size=8,
-            num_kv_blocks=24,
-            max_num_batched_tokens=16,
-            max_num_seqs=8,
-            device="cpu",
-            max_wait_s=None,
-            seed=0,
-        ),
+    return EngineConfig(
+        block_size=8,
+        num_kv_blocks=24,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        device="cpu",
+        max_wait_s=None,
+        seed=0,
     )
+
+
+def make_engine(model_dir: Path) -> Engine:
+    return Engine(model_dir, make_engine_config())
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,35 @@ def text(outs: list[RequestOutput]) -> str:
 
 
 def test_greedy_matches_hf_generate(engine: Engine, hf_model: Any) -> None:
+    """Joins, chunked prefill, prefix-cache hits and preemption; the KV cache in the CPU's
+    default storage, float16 (measured: no near-tie flips on these prompts)."""
+    assert engine.runner.kv_dtype == torch.float16
+    ties = greedy_workload_vs_hf(engine, hf_model)
+    assert ties == [], ties
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_greedy_matches_hf_with_each_kv_storage(
+    model_dir: Path, hf_model: Any, kv_dtype: str
+) -> None:
+    """The same workload over a float32 cache (exact) and a bfloat16 one: its coarser rounding
+    (8 bits of mantissa) may flip a near-tie, where HF's own logits are within
+    ``KV_TIE_TOLERANCE``, and nothing else."""
+    engine = Engine(model_dir, dataclasses.replace(make_engine_config(), kv_dtype=kv_dtype))
+    assert engine.runner.kv_dtype == getattr(torch, kv_dtype)
+    ties = greedy_workload_vs_hf(engine, hf_model)
+    assert len(ties) <= (0 if kv_dtype == "float32" else 3), ties
+
+
+# logits: a bfloat16 cache moved these tiny models' logits by up to 0.036 (test_model_runner.py)
+KV_TIE_TOLERANCE = 0.1
+
+
+def greedy_workload_vs_hf(engine: Engine, hf_model: Any) -> list[str]:
+    """Run ``TEXTS + SHARED_TEXTS`` greedy, two joining per step, on a fresh engine over
+    ``engine``'s runner; each answer must equal HF ``generate``'s up to a near-tie (HF's logit gap
+    at the first difference at most ``KV_TIE_TOLERANCE``; the rest is then not compared). Returns
+    a note per near-tie."""
     tok = engine.tokenizer
     prompts = [tok.encode(t) for t in TEXTS + SHARED_TEXTS]
     assert len({len(p) for p in prompts}) >= 8
@@ -128,14 +158,25 @@ def test_greedy_matches_hf_generate(engine: Engine, hf_model: Any) -> None:
         stats["preemptions"] += eng.last_step_stats.num_preemptions
         stats["hits"] += eng.last_step_stats.num_prefix_cache_hit_tokens
         stats["chunks"] += eng.last_step_stats.num_prefill_seqs
+    ties = []
     for i, prompt in enumerate(prompts):
         got = outs[f"r{i}"]
-        assert tokens(got) == hf_greedy(hf_model, prompt, MAX_NEW_TOKENS), TEXTS[i : i + 1]
+        ours, theirs = tokens(got), hf_greedy(hf_model, prompt, MAX_NEW_TOKENS)
+        k = next((k for k, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+        if k is None:
+            assert ours == theirs, (TEXTS + SHARED_TEXTS)[i]
+        else:
+            with torch.inference_mode():
+                logits = hf_model(torch.tensor([prompt + theirs[:k]])).logits[0, -1]
+            gap = float(logits[theirs[k]] - logits[ours[k]])
+            assert gap <= KV_TIE_TOLERANCE, f"prompt {i}, token {k}: HF's logit gap {gap:.3g}"
+            ties.append(f"prompt {i}, token {k}: gap {gap:.3g}")
         assert text(got) == tok.decode(tokens(got), skip_special_tokens=True)
         assert got[-1].finished
     assert stats["preemptions"] > 0, "the small pool should force preemption"
     assert stats["hits"] > 0, "the common prefix should hit the prefix cache"
     assert eng.block_manager.num_used_blocks == 0
+    return ties
 
 
 def test_abort_leaves_the_others_intact(engine: Engine, hf_model: Any) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenfleet.shared.errors import SettingsError
 from tokenfleet.worker.engine.config import EngineConfig
 from tokenfleet.worker.engine.engine import Engine
 from tokenfleet.worker.engine.kv_sizing import (
@@ -54,6 +55,52 @@ def test_default_holds_a_full_batch_of_typical_chats() -> None:
     assert (256 << 20) // per_block < config.max_num_seqs * per_chat_blocks
 
 
+def test_16_bit_storage_holds_twice_the_tokens_per_byte(tiny_llama_dir: Path) -> None:
+    """The pool is sized in the storage dtype: ``--kv-memory`` holds twice the blocks in 16
+    bits, the default's token count takes half the memory, and the cache is as big as said."""
+    config = smollm2_config()
+    f32 = ModelRunner.kv_bytes_per_block(config, 16, "float32")
+    assert ModelRunner.kv_bytes_per_block(config, 16, torch.float16) == f32 // 2 == 23_040 * 16
+    assert ModelRunner.kv_bytes_per_block(config, 16, "bfloat16") == f32 // 2
+    # the default's cap (half the free memory) holds twice the blocks
+    free = 100 * f32
+    assert default_kv_blocks(f32 // 2, 16, 32 * 512, free) == 2 * default_kv_blocks(
+        f32, 16, 32 * 512, free
+    )
+    sizes = {}
+    for kv in ("float32", "float16", "bfloat16"):
+        runner = ModelRunner(tiny_llama_dir, kv_memory_bytes=1 << 20, block_size=8, kv_dtype=kv)
+        per_block = ModelRunner.kv_bytes_per_block(runner.config, 8, runner.kv_dtype)
+        stored = sum(t.numel() * t.element_size() for t in runner.cache.layers)
+        assert stored == runner.num_kv_blocks * per_block <= 1 << 20
+        assert {t.dtype for t in runner.cache.layers} == {getattr(torch, kv)}
+        sizes[kv] = runner.num_kv_blocks
+    assert sizes["float16"] == sizes["bfloat16"] == 2 * sizes["float32"]
+    # the default pool holds its tokens whatever the storage, in half the memory
+    engine = Engine(
+        tiny_llama_dir,
+        EngineConfig(max_num_seqs=3, kv_tokens_per_seq=40, device="cpu", kv_dtype="float16"),
+    )
+    assert engine.runner.num_kv_blocks == -(-120 // 16)
+
+
+def test_auto_kv_dtype_is_16_bits_on_a_cpu_and_the_model_dtype_on_cuda() -> None:
+    from tokenfleet.worker.engine.model_runner import CPU_AUTO_KV_DTYPE, _resolve_kv_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    # float16: measured closer to float32 than bfloat16 (docs/engine.md)
+    assert _resolve_kv_dtype("auto", cpu, torch.float32) == torch.float16 == CPU_AUTO_KV_DTYPE
+    assert _resolve_kv_dtype("auto", cpu, torch.bfloat16) == torch.bfloat16  # never wider
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert _resolve_kv_dtype("auto", cuda, dtype) == dtype
+    assert _resolve_kv_dtype("float32", cpu, torch.float32) == torch.float32  # explicit wins
+    assert _resolve_kv_dtype("bfloat16", cuda, torch.float32) == torch.bfloat16
+    with pytest.raises(ValueError, match="kv_dtype must be auto"):
+        _resolve_kv_dtype("int8", cpu, torch.float32)
+    with pytest.raises(ValueError, match="kv_dtype must be one of auto, float32"):
+        EngineConfig(kv_dtype="fp8")
+
+
 def test_default_follows_the_batch_size() -> None:
     config = EngineConfig(max_num_seqs=4, kv_tokens_per_seq=300)
     assert config.default_kv_tokens == 1200
@@ -90,12 +137,13 @@ def test_a_capped_default_says_so(
 
     from tokenfleet.worker.engine import kv_sizing
 
-    per_block = ModelRunner.kv_bytes_per_block(
-        AutoConfig.from_pretrained(tiny_llama_dir), 16, "float32"
+    per_block = ModelRunner.kv_bytes_per_block(  # in the CPU's default storage, float16
+        AutoConfig.from_pretrained(tiny_llama_dir), 16, "float16"
     )
     monkeypatch.setattr(kv_sizing, "free_memory_bytes", lambda device: 40 * per_block)
     with caplog.at_level(logging.WARNING, logger="tokenfleet.worker.engine.kv_sizing"):
         runner = ModelRunner(tiny_llama_dir, default_kv_tokens=16 * 1000, max_model_len=64)
+    assert runner.kv_dtype == torch.float16
     assert runner.num_kv_blocks == 20
     assert "holds 320 tokens" in caplog.text and "--kv-memory" in caplog.text
     caplog.clear()
@@ -110,6 +158,15 @@ def test_worker_setting_reaches_the_engine() -> None:
     )
     config = EngineConfig(**ws.engine_overrides())
     assert config.default_kv_tokens == 8 * 256
+    assert config.kv_dtype == "auto"
+    ws = WorkerSettings.from_env({"TOKENFLEET_KV_DTYPE": "bfloat16"}, model="m", name=None)
+    assert EngineConfig(**ws.engine_overrides()).kv_dtype == "bfloat16"
+    flag = WorkerSettings.from_env(
+        {"TOKENFLEET_KV_DTYPE": "bfloat16"}, model="m", kv_dtype="float32", name=None
+    )
+    assert EngineConfig(**flag.engine_overrides()).kv_dtype == "float32"  # the flag wins
+    with pytest.raises(SettingsError, match="kv_dtype must be one of"):
+        WorkerSettings.from_env({"TOKENFLEET_KV_DTYPE": "int8"}, model="m", name=None)
     with pytest.raises(ValueError, match="kv_tokens_per_seq"):
         EngineConfig(kv_tokens_per_seq=0)
 

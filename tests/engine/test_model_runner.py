@@ -17,9 +17,14 @@ from tokenfleet.worker.engine.model_runner import (
     _similar_width_groups,
 )
 
-ATOL = 1e-4
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
+# Logits against transformers' own attention: float32 storage differs by reordering only; a
+# 16-bit cache rounds every stored K/V once (relative 2^-11 for float16, 2^-8 for bfloat16), which
+# moved these tiny models' logits by at most 0.0037 (float16) and 0.036 (bfloat16): the
+# tolerances are about 3x that. The attention functions themselves are checked exactly on the
+# stored values (test_*_attention_matches_reference).
+ATOL = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +36,29 @@ def _few_threads() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(
+    scope="module",
+    params=[(flavour, kv) for kv in ATOL for flavour in ("llama", "qwen2")],
+    ids=lambda param: "-".join(param),
+)
 def tiny_pair(request: pytest.FixtureRequest) -> tuple[ModelRunner, torch.nn.Module]:
-    """(runner, HF model with its default attention) for each tiny flavour."""
+    """(runner, HF model with its default attention) for each tiny flavour and KV storage dtype
+    (``runner.kv_dtype``; compute is float32 throughout)."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = request.getfixturevalue(f"tiny_{request.param}_dir")
-    runner = ModelRunner(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS)
+    flavour, kv_dtype = request.param
+    model_dir = request.getfixturevalue(f"tiny_{flavour}_dir")
+    runner = ModelRunner(
+        model_dir, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, kv_dtype=kv_dtype
+    )
+    assert runner.kv_dtype == getattr(torch, kv_dtype) and runner.dtype == torch.float32
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     return runner, reference
+
+
+def atol(runner: ModelRunner) -> float:
+    """The logit tolerance against transformers for ``runner``'s KV storage dtype."""
+    return ATOL[str(runner.kv_dtype).removeprefix("torch.")]
 
 
 def hf_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -75,7 +94,7 @@ def test_single_chunk_matches_hf(tiny_pair: tuple[ModelRunner, torch.nn.Module])
     runner, hf = tiny_pair
     tokens = prompt(0, 23, runner.vocab_size)
     got = run_chunks(runner, tokens, [23], shuffled_blocks(0))
-    torch.testing.assert_close(got[22], hf_logits(hf, tokens)[22], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[22], hf_logits(hf, tokens)[22], atol=atol(runner), rtol=0)
 
 
 def test_chunked_prefill_and_decode_match_hf(
@@ -87,7 +106,9 @@ def test_chunked_prefill_and_decode_match_hf(
     got = run_chunks(runner, tokens, [3, 8, 13, 14, 22, 27, 28, 29, 30], shuffled_blocks(1))
     ref = hf_logits(hf, tokens)
     for pos, logits in got.items():
-        torch.testing.assert_close(logits, ref[pos], atol=ATOL, rtol=0, msg=f"position {pos}")
+        torch.testing.assert_close(
+            logits, ref[pos], atol=atol(runner), rtol=0, msg=f"position {pos}"
+        )
 
 
 def test_packed_mixed_batch_matches_hf(tiny_pair: tuple[ModelRunner, torch.nn.Module]) -> None:
@@ -118,7 +139,9 @@ def test_packed_mixed_batch_matches_hf(tiny_pair: tuple[ModelRunner, torch.nn.Mo
         assert logits.shape == (len(wanted), runner.vocab_size)
         assert logits.dtype == torch.float32
         for row, s in zip(logits, wanted, strict=True):
-            torch.testing.assert_close(row, refs[s.request_id][s.end_pos - 1], atol=ATOL, rtol=0)
+            torch.testing.assert_close(
+                row, refs[s.request_id][s.end_pos - 1], atol=atol(runner), rtol=0
+            )
 
 
 def test_decodes_of_very_different_lengths(tiny_pair: tuple[ModelRunner, torch.nn.Module]) -> None:
@@ -139,7 +162,7 @@ def test_decodes_of_very_different_lengths(tiny_pair: tuple[ModelRunner, torch.n
     ]
     logits = runner.execute(StepBatch(step))
     for row, toks in zip(logits, tokens, strict=True):
-        torch.testing.assert_close(row, hf_logits(hf, toks)[-1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(row, hf_logits(hf, toks)[-1], atol=atol(runner), rtol=0)
 
 
 def test_similar_width_groups() -> None:
@@ -162,7 +185,7 @@ def test_shared_prefix_blocks(tiny_pair: tuple[ModelRunner, torch.nn.Module]) ->
     start = len(shared)
     step = StepBatch([ScheduledSeq("second", second[start:], start, table_second, True)])
     got = runner.execute(step)[0]
-    torch.testing.assert_close(got, hf_logits(hf, second)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got, hf_logits(hf, second)[-1], atol=atol(runner), rtol=0)
 
 
 def test_reversed_block_table(tiny_pair: tuple[ModelRunner, torch.nn.Module]) -> None:
@@ -172,7 +195,7 @@ def test_reversed_block_table(tiny_pair: tuple[ModelRunner, torch.nn.Module]) ->
     got = run_chunks(runner, tokens, [10, 18, 19], table)
     ref = hf_logits(hf, tokens)
     for pos, logits in got.items():
-        torch.testing.assert_close(logits, ref[pos], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits, ref[pos], atol=atol(runner), rtol=0)
 
 
 def test_no_logits_wanted_returns_empty(tiny_pair: tuple[ModelRunner, torch.nn.Module]) -> None:
@@ -187,7 +210,8 @@ def test_attributes(tiny_llama_dir: Path) -> None:
 
     runner = ModelRunner(tiny_llama_dir, kv_memory_bytes=1 << 20, block_size=8)
     config = AutoConfig.from_pretrained(tiny_llama_dir)
-    per_block = ModelRunner.kv_bytes_per_block(config, 8, torch.float32)
+    per_block = ModelRunner.kv_bytes_per_block(config, 8, torch.float16)  # a CPU's default
+    assert runner.kv_dtype == torch.float16
     assert runner.num_kv_blocks == (1 << 20) // per_block
     assert sum(t.numel() * t.element_size() for t in runner.cache.layers) == (
         runner.num_kv_blocks * per_block
@@ -280,7 +304,9 @@ def test_other_architectures_match_hf_eager(
     table_first, table_second = blocks[:8], blocks[8:16]
     got = run_chunks(runner, first, [9, 10, 17, 18, 19, 22], table_first)
     for pos, logits in got.items():
-        torch.testing.assert_close(logits, ref_first[pos], atol=ATOL, rtol=0, msg=f"pos {pos}")
+        torch.testing.assert_close(
+            logits, ref_first[pos], atol=atol(runner), rtol=0, msg=f"pos {pos}"
+        )
     # The second sequence prefills in chunks while the first keeps "decoding" its own tokens
     # again from position 12 on (rewriting identical K/V), packed in the same steps.
     start_second = 0
@@ -294,8 +320,8 @@ def test_other_architectures_match_hf_eager(
             ]
         )
         logits = runner.execute(step)
-        torch.testing.assert_close(logits[0], ref_second[end_second - 1], atol=ATOL, rtol=0)
-        torch.testing.assert_close(logits[1], ref_first[pos_first], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[0], ref_second[end_second - 1], atol=atol(runner), rtol=0)
+        torch.testing.assert_close(logits[1], ref_first[pos_first], atol=atol(runner), rtol=0)
         start_second = end_second
 
 
@@ -339,37 +365,78 @@ def test_smoke_forward_detects_a_layer_that_skips_the_function(
         ModelRunner(tiny_qwen2_dir, num_kv_blocks=8)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("enable_gqa", [True, False], ids=["sdpa-gqa", "kv-repeated"])
-def test_prefill_chunk_attention_matches_reference(
-    window: int | None, softcap: float | None, enable_gqa: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Every token of a chunk that starts mid-block (4-D SDPA with ``enable_gqa`` or, as on torch
-    < 2.5, with K/V repeated; and the softcap path) equals a per-head softmax over its visible
-    keys, for grouped-query heads."""
-    from tokenfleet.worker.engine import paged_attention
-    from tokenfleet.worker.engine.paged_attention import (
-        PagedKVCache,
-        PrefillChunk,
-        _prefill_attention,
-    )
+def random_cache(kv_dtype: torch.dtype, kv_heads: int, head_dim: int, bs: int) -> Any:
+    """A one-layer ``PagedKVCache`` storing ``kv_dtype``, computing float32, random contents."""
+    from tokenfleet.worker.engine.paged_attention import PagedKVCache
 
-    monkeypatch.setattr(paged_attention, "SDPA_ENABLE_GQA", enable_gqa)
-
-    kv_heads, heads, head_dim, bs, start, m = 2, 6, 8, 4, 6, 9
     cache = PagedKVCache(
         num_layers=1,
         num_blocks=NUM_BLOCKS,
         block_size=bs,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        dtype=torch.float32,
+        dtype=kv_dtype,
         device=torch.device("cpu"),
+        compute_dtype=torch.float32,
     )
-    gen = torch.Generator().manual_seed(0)
     layer = cache.layers[0]
-    layer.copy_(torch.randn(layer.shape, generator=gen))
+    layer.copy_(torch.randn(layer.shape, generator=torch.Generator().manual_seed(0)))
+    assert layer.dtype == kv_dtype
+    return cache
+
+
+def reference_attention(
+    layer: torch.Tensor,
+    table: list[int],
+    query: torch.Tensor,
+    pos: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """``[heads, head_dim]``: per-head float32 softmax attention of ``query`` (``[heads,
+    head_dim]``) at ``pos`` over the stored keys it may see, the stored values widened exactly."""
+    _, kv_heads, _, bs, _ = layer.shape
+    group = query.shape[0] // kv_heads
+    visible = [p for p in range(pos + 1) if window is None or p > pos - window]
+    out = []
+    for h in range(query.shape[0]):
+        kvh = h // group
+        k = torch.stack([layer[0, kvh, table[p // bs], p % bs] for p in visible]).float()
+        v = torch.stack([layer[1, kvh, table[p // bs], p % bs] for p in visible]).float()
+        scores = k @ query[h] * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        out.append(torch.softmax(scores, dim=0) @ v)
+    return torch.stack(out)
+
+
+KV_STORAGE = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV_STORAGE, ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+@pytest.mark.parametrize("enable_gqa", [True, False], ids=["sdpa-gqa", "kv-repeated"])
+def test_prefill_chunk_attention_matches_reference(
+    window: int | None,
+    softcap: float | None,
+    enable_gqa: bool,
+    kv_dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every token of a chunk that starts mid-block (4-D SDPA with ``enable_gqa`` or, as on torch
+    < 2.5, with K/V repeated; and the softcap path) equals a per-head softmax over its visible
+    keys, for grouped-query heads; with a 16-bit cache, exactly over the stored (rounded) K/V."""
+    from tokenfleet.worker.engine import paged_attention
+    from tokenfleet.worker.engine.paged_attention import PrefillChunk, _prefill_attention
+
+    monkeypatch.setattr(paged_attention, "SDPA_ENABLE_GQA", enable_gqa)
+
+    kv_heads, heads, head_dim, bs, start, m = 2, 6, 8, 4, 6, 9
+    cache = random_cache(kv_dtype, kv_heads, head_dim, bs)
+    gen = torch.Generator().manual_seed(1)
+    layer = cache.layers[0]
     table = shuffled_blocks(3)[: -(-(start + m) // bs)]
     chunk = PrefillChunk(
         token_start=2,
@@ -381,19 +448,67 @@ def test_prefill_chunk_attention_matches_reference(
     query = torch.randn(1, m + 5, heads, head_dim, generator=gen).transpose(1, 2)  # strided
     scale = 0.3
     got = _prefill_attention(chunk, cache, layer, query, scale, window, softcap)
-    group = heads // kv_heads
+    assert got.dtype == torch.float32
     for t in range(m):
-        pos = start + t
-        visible = [p for p in range(pos + 1) if window is None or p > pos - window]
-        for h in range(heads):
-            kvh = h // group
-            k = torch.stack([layer[0, kvh, table[p // bs], p % bs] for p in visible])
-            v = torch.stack([layer[1, kvh, table[p // bs], p % bs] for p in visible])
-            scores = k @ query[0, h, 2 + t] * scale
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            want = torch.softmax(scores, dim=0) @ v
-            torch.testing.assert_close(got[t, h], want, atol=1e-5, rtol=0)
+        want = reference_attention(
+            layer, table, query[0, :, 2 + t], start + t, scale, window, softcap
+        )
+        torch.testing.assert_close(got[t], want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_STORAGE, ids=str)
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_decode_group_attention_matches_reference(
+    window: int | None, softcap: float | None, kv_dtype: torch.dtype
+) -> None:
+    """A decode group of sequences of different context lengths on shuffled blocks (padded
+    tables) equals the per-head reference over each one's stored K/V, whatever the storage."""
+    from tokenfleet.worker.engine.paged_attention import DecodeGroup, _decode_attention
+
+    kv_heads, heads, head_dim, bs = 2, 6, 8, 4
+    cache = random_cache(kv_dtype, kv_heads, head_dim, bs)
+    layer = cache.layers[0]
+    positions = [9, 13, 4]  # the new token's position in each sequence
+    width = max(positions) // bs + 1
+    blocks = shuffled_blocks(4)
+    tables = [blocks[i * width : i * width + p // bs + 1] for i, p in enumerate(positions)]
+    padded = [t + [t[0]] * (width - len(t)) for t in tables]
+    group = DecodeGroup(
+        token_start=1,
+        num_seqs=len(positions),
+        num_blocks=width,
+        rows=cache.gather_rows(torch.tensor(padded).view(-1)),
+        positions=torch.tensor(positions),
+    )
+    gen = torch.Generator().manual_seed(2)
+    query = torch.randn(1, heads, len(positions) + 2, head_dim, generator=gen)
+    scale = 0.3
+    got = _decode_attention(group, cache, layer, query, scale, window, softcap)
+    assert got.shape == (kv_heads, len(positions), heads // kv_heads, head_dim)
+    assert got.dtype == torch.float32
+    for i, (pos, table) in enumerate(zip(positions, tables, strict=True)):
+        want = reference_attention(layer, table, query[0, :, 1 + i], pos, scale, window, softcap)
+        torch.testing.assert_close(
+            got[:, i].reshape(heads, head_dim), want, atol=1e-5, rtol=0, msg=f"sequence {i}"
+        )
+
+
+@pytest.mark.parametrize("kv_dtype", KV_STORAGE, ids=str)
+def test_write_rounds_once_into_the_storage_dtype(kv_dtype: torch.dtype) -> None:
+    """New K/V land in their rows rounded to the storage dtype; float16 storage saturates at its
+    largest value instead of overflowing to inf (which would make the softmax NaN)."""
+    cache = random_cache(kv_dtype, 2, 8, 4)
+    layer = cache.layers[0]
+    rows = cache.write_rows(torch.tensor([5, 17]))  # K rows then V rows of slots 5 and 17
+    values = torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(3))
+    values[0, 0], values[1, 1] = 1e6, -1e6
+    cache.write(layer, rows, values)
+    stored = layer.view(-1, 8)[rows]
+    limit = torch.finfo(kv_dtype).max
+    want = values.clamp(-limit, limit).to(kv_dtype)
+    assert torch.equal(stored, want)
+    assert torch.equal(layer[0, 1, 17 // 4, 17 % 4], want[3])  # K of head 1, slot 17
 
 
 def test_auto_dtype_follows_the_model_where_the_device_computes_it_well() -> None:

@@ -9,7 +9,8 @@ comparable and is not compared).
 
 The engines here run the file's weights dequantized, in float32 (``quantization="none"``): the
 default, ``auto``, executes SmolLM2's Q4_1 file as int4, whose greedy output equals this one
-except at wider near-ties (tests/models/test_real_quantized.py).
+except at wider near-ties (tests/models/test_real_quantized.py). Their KV cache is float32 too
+(a 16-bit one is compared with it in test_real_kv_dtype.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def test_each_prompt_alone_equals_hf(
     smollm2_dir: Path, hf_smollm2: Any, chat_prompts: list[list[int]], hf_outputs: list[list[int]]
 ) -> None:
     engine = Engine(
-        smollm2_dir, EngineConfig(device="cpu", dtype="float32", quantization="none", seed=0)
+        smollm2_dir,
+        EngineConfig(
+            device="cpu", dtype="float32", quantization="none", kv_dtype="float32", seed=0
+        ),
     )
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS)
     ties = []
@@ -81,6 +85,7 @@ def test_all_prompts_together_with_joins_chunks_and_preemption(
             device="cpu",
             dtype="float32",
             quantization="none",
+            kv_dtype="float32",
             block_size=16,
             num_kv_blocks=2 * (-(-longest // 16)) + 4,  # a few sequences' worth: preemption
             max_num_batched_tokens=48,  # smaller than every prompt: chunked prefill
@@ -117,7 +122,10 @@ def test_stop_strings_end_where_hf_stops(
     keeps it; the engine stops on that same token and ends its text just before the stop string
     (the OpenAI convention the gateway needs): same tokens, text cut at the stop string."""
     engine = Engine(
-        smollm2_dir, EngineConfig(device="cpu", dtype="float32", quantization="none", seed=0)
+        smollm2_dir,
+        EngineConfig(
+            device="cpu", dtype="float32", quantization="none", kv_dtype="float32", seed=0
+        ),
     )
     stops = [". ", "\n"]
     for prompt in chat_prompts[:4]:

@@ -9,14 +9,23 @@ from typing import Any
 from tokenfleet.worker.engine.scheduler import SchedulerConfig
 
 QUANTIZATION_MODES = ("auto", "none", "int8", "int4")  # see quantization.py
+KV_DTYPES = ("auto", "float32", "bfloat16", "float16")  # KV cache storage (model_runner.py)
 
 
 def check_quantization(mode: str) -> str:
     """``mode`` if it is one of ``QUANTIZATION_MODES``; else ``ValueError`` naming the setting."""
-    if mode not in QUANTIZATION_MODES:
-        choices = ", ".join(QUANTIZATION_MODES)
-        raise ValueError(f"quantization must be one of {choices}, not {mode!r}")
-    return mode
+    return _check_choice("quantization", mode, QUANTIZATION_MODES)
+
+
+def check_kv_dtype(kv_dtype: str) -> str:
+    """``kv_dtype`` if it is one of ``KV_DTYPES``; else ``ValueError`` naming the setting."""
+    return _check_choice("kv_dtype", kv_dtype, KV_DTYPES)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+    return value
 
 
 @dataclass(slots=True)
@@ -40,6 +49,7 @@ class EngineConfig:
     share_prefill: bool = True  # a prompt being prefilled by another request waits to share it
     device: str | None = None  # None: cuda if available, else cpu
     dtype: str = "auto"  # "auto": the model config's dtype (the runner decides)
+    kv_dtype: str = "auto"  # KV cache storage; "auto": 16 bits on a CPU, else dtype (the runner)
     quantization: str = "auto"  # auto (a GGUF file's own precision) | none | int8 | int4
     seed: int | None = None  # seeds unseeded sampling (None: nondeterministic)
 
@@ -53,6 +63,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.kv_memory_bytes is not None:
             raise ValueError("give num_kv_blocks or kv_memory_bytes, not both")
         check_quantization(self.quantization)
+        check_kv_dtype(self.kv_dtype)
         if self.kv_tokens_per_seq < 1:
             raise ValueError(f"kv_tokens_per_seq must be >= 1, got {self.kv_tokens_per_seq}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -84,6 +95,7 @@ class EngineConfig:
         return {
             "device": self.device,
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "block_size": self.block_size,
             "num_kv_blocks": self.num_kv_blocks,
             "kv_memory_bytes": self.kv_memory_bytes,

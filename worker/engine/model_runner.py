@@ -40,6 +40,9 @@ from tokenfleet.worker.engine.quantization import (
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# KV storage under kv_dtype "auto" on a CPU, chosen by measurement (docs/engine.md): on SmolLM2
+# greedy output equal to float32 storage, logprobs 4.5x closer than bfloat16's, step not slower.
+CPU_AUTO_KV_DTYPE = torch.float16
 
 
 def _start_pos(seq: ScheduledSeq) -> int:
@@ -110,11 +113,23 @@ def _resolve_dtype(dtype: str, device: torch.device, config: Any = None) -> torc
     return _DTYPES[dtype]
 
 
+def _resolve_kv_dtype(kv_dtype: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype: ``"auto"`` is ``CPU_AUTO_KV_DTYPE`` on a CPU under a
+    wider compute dtype (memory, not arithmetic, is what 16 bits save there), else ``dtype``."""
+    if kv_dtype == "auto":
+        wider = dtype.itemsize > CPU_AUTO_KV_DTYPE.itemsize
+        return CPU_AUTO_KV_DTYPE if device.type == "cpu" and wider else dtype
+    if kv_dtype not in _DTYPES:
+        raise ValueError(f"kv_dtype must be auto or one of {sorted(_DTYPES)}, not {kv_dtype!r}")
+    return _DTYPES[kv_dtype]
+
+
 class ModelRunner:
     """Owns the model and its paged KV cache; ``execute`` runs one scheduled step.
 
     The KV pool is ``num_kv_blocks`` blocks, else ``kv_memory_bytes`` worth, else (the default)
-    ``default_kv_tokens`` tokens capped by the device's free memory (``kv_sizing``). Linear
+    ``default_kv_tokens`` tokens capped by the device's free memory (``kv_sizing``), stored as
+    ``kv_dtype`` (``_resolve_kv_dtype``; attention computes in the model's dtype). Linear
     layers run as loaded, or weight-only quantized (``quantization``: see ``quantization.py``).
 
     Invariants:
@@ -129,6 +144,7 @@ class ModelRunner:
         *,
         device: str | None = None,
         dtype: str = "auto",
+        kv_dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_memory_bytes: int | None = None,
@@ -149,6 +165,7 @@ class ModelRunner:
 
         self.config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, self.device, _text_config(self.config))
+        self.kv_dtype = _resolve_kv_dtype(kv_dtype, self.device, self.dtype)
         model_type = getattr(self.config, "model_type", type(self.config).__name__)
         _register_attention()
         try:
@@ -183,7 +200,7 @@ class ModelRunner:
         self._quantized_head = head if isinstance(head, QuantizedHead) else None
 
         num_layers, num_kv_heads, head_dim = _kv_shape(self.config)
-        per_block = self.kv_bytes_per_block(self.config, block_size, self.dtype)
+        per_block = self.kv_bytes_per_block(self.config, block_size, self.kv_dtype)
         if num_kv_blocks is None:
             num_kv_blocks = kv_pool_blocks(
                 per_block, block_size, kv_memory_bytes, default_kv_tokens, self.device
@@ -211,8 +228,9 @@ class ModelRunner:
             block_size=block_size,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
+            compute_dtype=self.dtype,
         )
         self.eos_token_ids = self._eos_token_ids()
         # The decoder loop without transformers' plumbing (fast_forward.py), where it applies.
@@ -221,7 +239,8 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype | str) -> int:
-        """Bytes of K and V, all layers, for one block of ``block_size`` tokens."""
+        """Bytes of K and V, all layers, for one block of ``block_size`` tokens stored as
+        ``dtype`` (the KV storage dtype, not necessarily the model's)."""
         if isinstance(dtype, str):
             dtype = _DTYPES[dtype]
         num_layers, num_kv_heads, head_dim = _kv_shape(config)

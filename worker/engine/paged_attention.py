@@ -14,6 +14,11 @@ dim 0 — one contiguous copy per row, into a reused scratch buffer — and land
 
 Grouped-query attention never repeats K/V: decodes fold the ``num_heads // num_kv_heads`` query
 heads that share a KV head into query rows; prefill chunks use SDPA's ``enable_gqa``.
+
+The cache may store K/V in a narrower dtype than the model computes in (``kv_dtype``: 16 bits
+under float32 compute holds twice the tokens per byte). New K/V are rounded once when written;
+gathered rows are widened back into the compute dtype in a second scratch buffer, so the
+attention arithmetic is the compute dtype's (16-bit matmuls are slower on most CPUs).
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ class PagedKVCache:
         * Position ``p`` of a sequence with block table ``bt`` lives at
           ``layers[i][:, :, bt[p // block_size], p % block_size]``.
         * The cache never decides which blocks are in use; the block manager does.
-        * ``scratch`` holds no state between attention calls; it only saves reallocating the
-          gathered K/V of every layer of every step.
+        * ``layers`` hold ``dtype`` (the storage dtype); ``gather`` returns ``compute_dtype``.
+        * ``scratch`` (and ``widened``) hold no state between attention calls; they only save
+          reallocating the gathered K/V of every layer of every step.
     """
 
     def __init__(
@@ -64,12 +70,18 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        # float16 storage of wider values saturates instead of overflowing to inf (then NaN)
+        narrowed = dtype == torch.float16 and self.compute_dtype != torch.float16
+        self.clamp = torch.finfo(torch.float16).max if narrowed else None
         # Zeros, not empty: masked-out slots are multiplied by 0 and must not hold NaN.
         self.layers = [
             torch.zeros(
@@ -78,6 +90,7 @@ class PagedKVCache:
             for _ in range(num_layers)
         ]
         self.scratch = torch.empty(0, dtype=dtype, device=device)
+        self.widened = torch.empty(0, dtype=self.compute_dtype, device=device)
 
     def gather_rows(self, block_ids: torch.Tensor) -> torch.Tensor:
         """Row indices into a layer viewed as ``[-1, block_size * head_dim]`` for ``block_ids``.
@@ -95,13 +108,26 @@ class PagedKVCache:
         return (offsets[:, None] + slots[None, :]).reshape(-1)
 
     def gather(self, layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``[len(rows), block_size * head_dim]`` copied from ``layer`` into the scratch buffer."""
+        """``[len(rows), block_size * head_dim]`` copied from ``layer`` into the scratch buffer,
+        in ``compute_dtype`` (widened through a second buffer when the storage is narrower)."""
         width = self.block_size * self.head_dim
         needed = rows.numel() * width
         if self.scratch.numel() < needed:
             self.scratch = torch.empty(needed, dtype=layer.dtype, device=layer.device)
         out = self.scratch[:needed].view(rows.numel(), width)
-        return torch.index_select(layer.view(-1, width), 0, rows, out=out)
+        torch.index_select(layer.view(-1, width), 0, rows, out=out)
+        if self.compute_dtype == layer.dtype:
+            return out
+        if self.widened.numel() < needed:
+            self.widened = torch.empty(needed, dtype=self.compute_dtype, device=layer.device)
+        return self.widened[:needed].view(rows.numel(), width).copy_(out)
+
+    def write(self, layer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values`` (``[len(rows), head_dim]``, compute dtype) at ``write_rows`` ``rows``
+        of ``layer``, rounded to the storage dtype."""
+        if self.clamp is not None:
+            values = values.clamp(-self.clamp, self.clamp)
+        layer.view(-1, self.head_dim).index_copy_(0, rows, values.to(layer.dtype))
 
 
 @dataclass(slots=True, eq=False)
@@ -303,12 +329,11 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else head_dim**-0.5
 
     # Write this step's K/V into their slots (rows of head_dim values).
-    half = step.write_rows.numel() // 2
-    flat = layer.view(-1, head_dim)
-    flat.index_copy_(0, step.write_rows[:half], key[0].reshape(-1, head_dim))
-    flat.index_copy_(0, step.write_rows[half:], value[0].reshape(-1, head_dim))
-
     cache = step.cache
+    half = step.write_rows.numel() // 2
+    cache.write(layer, step.write_rows[:half], key[0].reshape(-1, head_dim))
+    cache.write(layer, step.write_rows[half:], value[0].reshape(-1, head_dim))
+
     if len(step.decodes) == 1 and not step.prefills:  # one batch of decodes: no output buffer
         o = _decode_attention(step.decodes[0], cache, layer, query, scale, sliding_window, softcap)
         return o.transpose(0, 1).reshape(1, num_tokens, num_heads, head_dim), None

@@ -24,7 +24,7 @@ def model_summary(spec: str, folder: Path, engine: Any) -> str:
     params = getattr(runner, "num_parameters", None)  # as loaded, before quantization
     if params is None:
         params = sum(p.numel() for p in runner.model.parameters())
-    per_block = runner.kv_bytes_per_block(runner.config, runner.block_size, runner.dtype)
+    per_block = runner.kv_bytes_per_block(runner.config, runner.block_size, runner.kv_dtype)
     kv_tokens = runner.num_kv_blocks * runner.block_size
     kv_bytes = runner.num_kv_blocks * per_block
     import torch
@@ -34,7 +34,8 @@ def model_summary(spec: str, folder: Path, engine: Any) -> str:
         f"dtype {str(runner.dtype).removeprefix('torch.')}, quantization "
         f"{runner.quantization.describe()}, device {runner.device}, "
         f"{torch.get_num_threads()} CPU threads; KV cache {runner.num_kv_blocks} blocks of "
-        f"{runner.block_size} tokens = {kv_tokens} tokens ({_gib(kv_bytes)}); "
+        f"{runner.block_size} tokens = {kv_tokens} tokens ({_gib(kv_bytes)}, "
+        f"{str(runner.kv_dtype).removeprefix('torch.')}); "
         f"max sequence {engine.max_model_len} tokens; peak resident memory "
         f"{_gib(resident_bytes())}"
     )
