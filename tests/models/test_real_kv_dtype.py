@@ -67,9 +67,10 @@ def test_greedy_with_a_16_bit_kv_cache_equals_float32_except_near_ties(
             torch.float32 if kv_dtype == "float32" else torch.float16
         }
         answers[kv_dtype] = greedy_with_logprobs(engine, chat_prompts)
+    # real answers, mostly full length (as test_real_model_equivalence.py checks HF's)
+    assert sum(len(ref) for ref, _ in answers["float32"]) >= 6 * MAX_NEW_TOKENS
     same, ties, drift = 0, [], 0.0
     for (ref, ref_lps), (ours, lps) in zip(answers["float32"], answers["auto"], strict=True):
-        assert len(ref) >= MAX_NEW_TOKENS // 2  # real answers, not an early end
         k = first_divergence(ours, ref)
         for a, b in zip(ref_lps[:k], lps[:k], strict=False):  # the same tokens so far
             drift = max(drift, abs(a.chosen.logprob - b.chosen.logprob))
