@@ -41,7 +41,8 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # KV storage under kv_dtype "auto" on a CPU, chosen by measurement (docs/engine.md): on SmolLM2
-# greedy output equal to float32 storage, logprobs 4.5x closer than bfloat16's, step not slower.
+# greedy output equal to float32 storage, logprobs 4.5x closer than bfloat16's; attention no
+# slower within the noise of an ad-hoc timing (benchmarks/RESULTS.md, KV cache storage).
 CPU_AUTO_KV_DTYPE = torch.float16
 
 
