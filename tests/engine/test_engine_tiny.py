@@ -114,7 +114,8 @@ def text(outs: list[RequestOutput]) -> str:
 def test_greedy_matches_hf_generate(engine: Engine, hf_model: Any) -> None:
     """Joins, chunked prefill, prefix-cache hits and preemption; the KV cache in the CPU's
     default storage, float16 (measured: no near-tie flips on these prompts)."""
-    assert engine.runner.kv_dtype == torch.float16
+    runner: Any = engine.runner  # a ModelRunner
+    assert runner.kv_dtype == torch.float16
     ties = greedy_workload_vs_hf(engine, hf_model)
     assert ties == [], ties
 
@@ -127,7 +128,8 @@ def test_greedy_matches_hf_with_each_kv_storage(
     (8 bits of mantissa) may flip a near-tie, where HF's own logits are within
     ``KV_TIE_TOLERANCE``, and nothing else."""
     engine = Engine(model_dir, dataclasses.replace(make_engine_config(), kv_dtype=kv_dtype))
-    assert engine.runner.kv_dtype == getattr(torch, kv_dtype)
+    runner: Any = engine.runner  # a ModelRunner
+    assert runner.kv_dtype == getattr(torch, kv_dtype)
     ties = greedy_workload_vs_hf(engine, hf_model)
     assert len(ties) <= (0 if kv_dtype == "float32" else 3), ties
 
