@@ -17,6 +17,7 @@ not comparable and is not compared.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_greedy_with_a_16_bit_kv_cache_equals_float32_except_near_ties(
             device="cpu", quantization=quantization, kv_dtype=kv_dtype, num_kv_blocks=256, seed=0
         )
         engine = Engine(smollm2_dir, config)
-        runner = engine.runner
+        runner: Any = engine.runner  # a ModelRunner
         assert runner.dtype == torch.float32 and runner.quantization.applied == quantization
         assert {t.dtype for t in runner.cache.layers} == {
             torch.float32 if kv_dtype == "float32" else torch.float16
