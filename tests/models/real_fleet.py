@@ -28,10 +28,11 @@ PREFIX = "tfreal"
 WORKERS = ("real-a", "real-b")
 READY_S = 300.0  # failure guard: two SmolLM2 loads on a loaded 2-core machine
 TIMERS = ("--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5")
-# The file's weights dequantized to float32, not the default int4 (auto): these tests compare
-# logprobs with Hugging Face's float32 forward (tests/models/test_structured_real.py). The
-# default runs in test_real_model_fleet.py, test_real_model_demo.py and test_real_quantized.py.
-FLOAT32 = ("--quantization", "none")
+# The file's weights dequantized to float32 and a float32 KV cache, not the defaults (int4, a
+# float16 cache): these tests compare logprobs with Hugging Face's float32 forward
+# (tests/models/test_structured_real.py). The defaults run in test_real_model_fleet.py,
+# test_real_model_demo.py, test_real_quantized.py and test_real_kv_dtype.py.
+FLOAT32 = ("--quantization", "none", "--kv-dtype", "float32")
 
 
 class RealFleet:
