@@ -3,6 +3,10 @@ serve``, any command) with its output in a log file, signalled, awaited and stop
 (:class:`ChildProcess`); and :func:`run_command`, a one-shot command run to its end with its
 output returned (a CLI call or a probe script whose output the test reads).
 
+A ``python -m tokenfleet...`` or ``python SCRIPT.py`` child is forked from the suite's fork
+server (tests/fork_server.py: torch and transformers imported once, not in every worker); any
+other command is a plain ``subprocess.Popen``.
+
 A test that starts one is marked ``slow`` automatically (tests/conftest.py), and a test not
 marked ``slow`` that starts a Python process fails (the guard in tests/conftest.py).
 """
@@ -16,6 +20,8 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import fork_server
 
 from tokenfleet.worker.devtools.local_redis import free_port
 
@@ -75,11 +81,19 @@ class ChildProcess:
         self.stderr_path = stderr_path
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
         self.err_log = open(stderr_path, "wb") if stderr_path else None  # noqa: SIM115 - same
-        self.proc = subprocess.Popen(
-            list(args),
-            env=_environment(env, inherit_env),
-            stdout=self.log,
-            stderr=self.err_log or subprocess.STDOUT,
+        environment = _environment(env, inherit_env)
+        forked = fork_server.SERVER.spawn(
+            args, environment, self.log.fileno(), (self.err_log or self.log).fileno()
+        )
+        self.proc: subprocess.Popen[bytes] | fork_server.ForkedProcess = (
+            forked
+            if forked is not None
+            else subprocess.Popen(
+                list(args),
+                env=environment,
+                stdout=self.log,
+                stderr=self.err_log or subprocess.STDOUT,
+            )
         )
 
     @property

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import fork_server
 import pytest
 import redis
 from process_marking import guarded, item_starts_processes
@@ -101,6 +102,11 @@ def pytest_configure(config: pytest.Config) -> None:
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistGroups(config), "tokenfleet-xdist-groups")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The fork server of this process (tests/fork_server.py), if a test started it, stops."""
+    fork_server.SERVER.close()
 
 
 @pytest.hookimpl(tryfirst=True)  # the marks first: the xdist_groups plugin reads them

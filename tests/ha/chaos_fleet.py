@@ -257,7 +257,15 @@ class ChaosFleet:
                 assert rec is not None and rec.status == "done", (rid, rec)
                 assert rec.num_tokens == h.max_tokens, (rid, rec.num_tokens)
                 assert r.llen(self.keys.tokens(rid)) == rec.num_tokens, rid
-                assert rec.text == text_of[h.prompt, h.max_tokens], rid
+                streamed = "".join(e.text for e in h.events if isinstance(e, TokenEvent))
+                assert rec.text == streamed == text_of[h.prompt, h.max_tokens], (
+                    rid,
+                    rec,
+                    streamed,
+                    text_of[h.prompt, h.max_tokens],
+                    [e.text for e in h.events if isinstance(e, TokenEvent)],
+                    r.lrange(self.keys.tokens(rid), 0, -1),
+                )
         logs = "".join(w.output(tail=None) for w in self.workers)
         for w in self.workers:
             assert w.alive(), f"worker {w.name} exited:\n{w.output(tail=4000)}"
