@@ -15,20 +15,34 @@ from tokenfleet.worker.devtools import local_redis
 from tokenfleet.worker.devtools.local_redis import free_port, worker_port_block
 
 
-def fake_item(path: Path, *scopes: str, groups: tuple[str, ...] = ()) -> Any:
+def fake_item(
+    path: Path, *scopes: str, groups: tuple[str, ...] = (), uses: tuple[str, ...] = ()
+) -> Any:
     defs = {f"f{i}": [SimpleNamespace(scope=scope)] for i, scope in enumerate(scopes)}
     marks = [SimpleNamespace(args=(g,), kwargs={}) for g in groups]
     return SimpleNamespace(
         path=path,
         nodeid=f"{path.relative_to(TESTS.parent).as_posix()}::test",
+        fixturenames=[*defs, *uses],
         _fixtureinfo=SimpleNamespace(name2fixturedefs=defs),
         iter_markers=lambda name: iter(marks if name == "xdist_group" else []),
     )
 
 
-def test_the_real_model_tests_share_one_group_whatever_their_fixtures() -> None:
-    assert group_of(fake_item(TESTS / "models" / "test_x.py")) == MODELS_GROUP
-    assert group_of(fake_item(TESTS / "models" / "test_y.py", "module")) == MODELS_GROUP
+def test_the_real_model_tests_are_grouped_by_the_session_fixture_they_share() -> None:
+    models = TESTS / "models"
+    assert group_of(fake_item(models / "test_x.py")) == MODELS_GROUP
+    assert group_of(fake_item(models / "test_y.py", "module")) == MODELS_GROUP  # not by module
+    fleet = fake_item(models / "test_z.py", uses=("sdk", "fleet", "started_fleet", "hf_smollm2"))
+    assert group_of(fleet) == "models-fleet"
+    assert group_of(fake_item(models / "test_w.py", uses=("hf_outputs", "hf_smollm2"))) == (
+        "models-hf"
+    )
+    # both: the fleet's group (the fleet is the costlier thing to build twice)
+    both = fake_item(models / "test_v.py", uses=("started_fleet", "hf_smollm2"))
+    assert group_of(both) == "models-fleet"
+    # outside tests/models, these names mean nothing
+    assert group_of(fake_item(TESTS / "ha" / "test_x.py", uses=("started_fleet",))) is None
 
 
 def test_a_module_scoped_fixture_keeps_its_module_together() -> None:

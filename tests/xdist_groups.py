@@ -4,9 +4,11 @@
 ``xdist_group`` mark runs in the same worker as every other test of its group, one after the
 other; a test without one goes to whichever worker is free. Nobody has to remember the mark:
 
-* every test under ``tests/models`` is in the group :data:`MODELS_GROUP`: the session's SmolLM2
-  fleet (tests/models/real_fleet.py), the converted model and Hugging Face's greedy answers are
-  built once, in one worker, and the CPU-bound real-model tests never run beside each other;
+* the tests under ``tests/models`` are in three groups by the session fixture they share
+  (:data:`MODELS_GROUPS`): those on the SmolLM2 fleet (tests/models/real_fleet.py, a gateway and
+  two workers), those comparing with the model loaded in Hugging Face, and the rest. Each is built
+  once, in its group's worker; the three groups run beside each other (one group was the run's
+  critical path: 800 of its 853 s, 2026-11-28), each of their processes on one thread;
 * a test that uses a module- or class-scoped fixture (a module's gateway, a worker in a thread)
   is grouped with the rest of its module, so that fixture is still set up once;
 * the rest (the HA tests' Sentinel and Cluster failovers among them, which mostly wait on the
@@ -28,6 +30,8 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 MODELS = TESTS / "models"
+# a tests/models test's group: the first of these session fixtures it uses, else "models"
+MODELS_GROUPS = (("started_fleet", "models-fleet"), ("hf_smollm2", "models-hf"))
 MODELS_GROUP = "models"
 MODULE_SCOPES = frozenset({"module", "class", "package"})
 
@@ -44,7 +48,8 @@ def group_of(item: Any) -> str | None:
     """The ``xdist_group`` a collected test belongs to, or None (any worker, on its own)."""
     path = Path(item.path)
     if MODELS in path.parents:
-        return MODELS_GROUP
+        used = set(getattr(item, "fixturenames", ()))
+        return next((g for fixture, g in MODELS_GROUPS if fixture in used), MODELS_GROUP)
     if _module_scoped(item):
         return path.relative_to(TESTS).as_posix()
     return None

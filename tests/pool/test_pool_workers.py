@@ -220,7 +220,9 @@ def test_a_worker_paces_itself_to_its_compute_share(
     from tokenfleet.producer import Client
 
     keys = Keys(PREFIX)
-    budget, round_s = 40, 0.1  # 400 tokens/s: the tiny model alone does thousands
+    # 4 tokens a round, 40 tokens/s: the tiny model alone does thousands, and even starved (three
+    # pytest workers on two cores) a decode step of its four requests takes well under a round
+    budget, round_s = 4, 0.1
     config = PoolConfig(
         total_blocks=64, block_size=4, chunk_blocks=8, token_budget=budget, round_ms=100
     )
