@@ -53,10 +53,10 @@ redis7:
 chromium:
 	bash scripts/ensure_chromium.sh
 
-# PYTEST_WORKERS=3: the suite in three pytest-xdist workers; tests that share a session's
-# resource are kept in one worker by their xdist_group (tests/xdist_groups.py). The default, 0,
-# runs it serially in one process until a parallel run has passed twice (docs/development.md).
-PYTEST_WORKERS ?= 0
+# The suite runs in three pytest-xdist workers; tests that share a session's resource are kept in
+# one worker by their xdist_group (tests/xdist_groups.py). PYTEST_WORKERS=0 runs it serially in
+# one process (docs/development.md: why three on two cores, and the figures).
+PYTEST_WORKERS ?= 3
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 pytest: $(STAMP) $(ASSETS) redis7 chromium
