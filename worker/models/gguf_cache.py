@@ -8,8 +8,9 @@ safetensors) and every later load of a file with the same content reads that fol
 
 Invariants: a folder under the cache root without the leading ``.`` is complete (it is written
 as ``.NAME.tmp-PID`` and renamed into place in one step, so a crash or a racing worker never
-leaves a half-written folder that looks done); its name's digest is the content hash of the GGUF
-file it came from, so an edited or replaced file converts afresh.
+leaves a half-written folder that looks done), and one process at a time converts (a lock on the
+cache folder: the others wait for it and then load its result); its name's digest is the content
+hash of the GGUF file it came from, so an edited or replaced file converts afresh.
 
 The cache root is ``$TOKENFLEET_MODEL_CACHE``, else ``$XDG_CACHE_HOME/tokenfleet/models``, else
 ``~/.cache/tokenfleet/models``; ``tokenfleet models clear`` empties it.
@@ -17,6 +18,7 @@ The cache root is ``$TOKENFLEET_MODEL_CACHE``, else ``$XDG_CACHE_HOME/tokenfleet
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -87,6 +89,21 @@ def converted_folder(gguf: Path, root: Path | None = None) -> Path:
     if target.is_dir():
         return target
     root.mkdir(parents=True, exist_ok=True)
+    held = os.open(root, os.O_RDONLY)
+    try:
+        # one conversion at a time per cache: workers started together on a fresh machine
+        # convert the file once (the others wait, then load its folder), not once each
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if target.is_dir():
+            return target
+        _convert_into(gguf, root, target, digest)
+    finally:
+        os.close(held)  # (the lock goes with it)
+    return target
+
+
+def _convert_into(gguf: Path, root: Path, target: Path, digest: str) -> None:
+    """Convert ``gguf`` into ``target`` through a temporary folder renamed into place."""
     tmp = root / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     started = time.monotonic()
@@ -101,7 +118,6 @@ def converted_folder(gguf: Path, root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log.info("converted %s in %.1f s", gguf.name, time.monotonic() - started)
-    return target
 
 
 def _convert(gguf: Path, out: Path, digest: str) -> None:
