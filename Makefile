@@ -53,10 +53,11 @@ redis7:
 chromium:
 	bash scripts/ensure_chromium.sh
 
-# The suite runs in three pytest-xdist workers; tests that share a session's resource are kept in
-# one worker by their xdist_group (tests/xdist_groups.py). PYTEST_WORKERS=0 runs it serially in
-# one process (docs/development.md: why three on two cores, and the figures).
-PYTEST_WORKERS ?= 3
+# PYTEST_WORKERS=3: the suite in three pytest-xdist workers; tests that share a session's resource
+# are kept in one worker by their xdist_group (tests/xdist_groups.py). The default, 0, runs it
+# serially in one process: timing-sensitive tests still fail now and then under three workers on
+# two cores (docs/development.md).
+PYTEST_WORKERS ?= 0
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 pytest: $(STAMP) $(ASSETS) redis7 chromium
