@@ -15,6 +15,7 @@ No fakeredis: every path of the client, the gateway and the worker runs Lua or a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,21 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 REAL_FIXTURES = frozenset({"redis_server", "redis_url", "r", "settings"})
+
+
+_RESTORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test leaves the pytest process's signal handlers as it found them: rq's
+    ``SimpleWorker`` ignores SIGINT in the process it runs in, for good, and every process
+    started from here afterwards would inherit that."""
+    saved = {sig: signal.getsignal(sig) for sig in _RESTORED_SIGNALS}
+    yield
+    for sig, handler in saved.items():
+        if handler is not None and signal.getsignal(sig) != handler:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")

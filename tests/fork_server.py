@@ -169,7 +169,7 @@ class ForkServer:
             return None
         assert self.path is not None
         request = json.dumps(
-            {"argv": command, "env": dict(env), "cwd": cwd or os.getcwd()}
+            {"argv": command, "env": dict(env), "cwd": cwd or os.getcwd(), "ignored": _ignored()}
         ).encode()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -351,9 +351,7 @@ def _become(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _exec_signals(set(request["ignored"]))
     _fresh_stdio()
     random.seed()
     _torch_threads()
@@ -366,6 +364,33 @@ def _become(request: dict[str, Any]) -> None:
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+# what exec keeps: an ignored signal stays ignored, a handled one is reset (SIGKILL and SIGSTOP
+# cannot be changed; SIGPIPE and SIGXFSZ are reset by Popen's restore_signals and ignored again
+# by Python's start-up, whatever the caller had)
+_KEPT_BY_EXEC = sorted(
+    set(signal.valid_signals())
+    - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
+    - set(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
+)
+
+
+def _ignored() -> list[int]:
+    """The signals the calling process ignores, which a command it execs would ignore too."""
+    return [int(s) for s in _KEPT_BY_EXEC if signal.getsignal(s) == signal.SIG_IGN]
+
+
+def _exec_signals(ignored: set[int]) -> None:
+    """The dispositions a fresh interpreter exec'd by the caller starts with: what the caller
+    ignores stays ignored, the rest is the default; Python then installs its SIGINT handler
+    (unless SIGINT is ignored) and ignores SIGPIPE and SIGXFSZ."""
+    for sig in _KEPT_BY_EXEC:
+        signal.signal(sig, signal.SIG_IGN if sig in ignored else signal.SIG_DFL)
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def _fresh_stdio() -> None:

@@ -99,6 +99,21 @@ def test_a_forked_command_sees_what_a_fresh_interpreter_sees(
     assert again["random"] != third["random"]
 
 
+def test_signals_the_caller_ignores_stay_ignored_as_across_exec(
+    server: ForkServer, tmp_path: Path
+) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as rq's SimpleWorker leaves it
+    try:
+        _, fresh, _ = _run(server, tmp_path, fork=False, env=env)
+        _, forked, _ = _run(server, tmp_path, fork=True, env=env)
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    signals = fresh["signals"]
+    assert isinstance(signals, dict) and signals["SIGINT"] == str(signal.SIG_IGN)  # no handler
+    assert forked["signals"] == signals
+
+
 def test_the_thread_count_follows_each_commands_environment(
     server: ForkServer, tmp_path: Path
 ) -> None:

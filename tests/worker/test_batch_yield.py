@@ -131,12 +131,17 @@ def _statuses(rr: redis.Redis, rids: list[str]) -> list[RequestStatus]:
     return out
 
 
-def _counter(port: int, name: str) -> float:
+def _metric(port: int, series: str) -> float:
+    """The value of the first line of ``series`` (a name and its label brace) on /metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as f:
         for line in f.read().decode().splitlines():
-            if line.startswith(name + "_total{"):
+            if line.startswith(series):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def _counter(port: int, name: str) -> float:
+    return _metric(port, name + "_total{")
 
 
 @pytest.mark.slow
@@ -155,6 +160,11 @@ def test_interactive_work_takes_slots_from_batch_work_and_cuts_its_steps(
     preempted = _counter(metrics_port, "tokenfleet:num_preemptions")
 
     for i in range(10):  # interactive requests, one after the other, while the batch runs
+        # the preempted batch request has its slot back first (else the next one finds it free)
+        wait_for(
+            lambda: _metric(metrics_port, "tokenfleet:num_requests_running{") == 3,
+            "the batch in every slot again",
+        )
         rid = f"yn-{i}"
         client.submit(f"Question {i}?", request_id=rid, max_tokens=3, temperature=0)
         rec = wait_terminal(rr, KEYS, rid, timeout_s=60)
