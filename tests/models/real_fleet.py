@@ -9,8 +9,9 @@ test that asks for it. The workers' heartbeats are short (3 s) so a takeover hap
 test. A test that SIGKILLs a worker (the takeover tests) leaves it dead; the fixture starts it
 again, under the same name as a restarted process would have, before the next test (``revive``).
 
-Invariant: after ``revive()`` returns, every worker of ``WORKERS`` and the gateway run, and the
-gateway's ``/v1/models`` lists exactly ``WORKERS`` for model ``default``.
+Invariant: after ``revive()`` returns, every worker of ``WORKERS`` (and the float32 worker, once
+started) and the gateway run, and the gateway's ``/v1/models`` lists exactly ``WORKERS`` for
+model ``default`` (and exactly the float32 worker for model ``float32``).
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ from waiting import wait_for
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 PREFIX = "tfreal"
-WORKERS = ("real-a", "real-b")
+WORKERS = ("real-a", "real-b")  # model "default": the defaults (int4 weights, a 16-bit KV cache)
 READY_S = 300.0  # failure guard: two SmolLM2 loads on a loaded 2-core machine
 TIMERS = ("--heartbeat-ttl-s", "3", "--claim-idle-s", "1", "--claim-interval-s", "0.5")
-# The file's weights dequantized to float32 and a float32 KV cache, not the defaults (int4, a
-# float16 cache): these tests compare logprobs with Hugging Face's float32 forward
-# (tests/models/test_structured_real.py). The defaults run in test_real_model_fleet.py,
-# test_real_model_demo.py, test_real_quantized.py and test_real_kv_dtype.py.
-FLOAT32 = ("--quantization", "none", "--kv-dtype", "float32")
+# Model "float32", one worker started when a test first asks (``float32_model``): the file's
+# weights dequantized to float32 and a float32 KV cache, for the test that compares logprobs with
+# Hugging Face's float32 forward (tests/models/test_structured_real.py). The other tests run on
+# the defaults, as a user's fleet does, and at a third of float32's compute per token.
+FLOAT32_MODEL = "float32"
+FLOAT32_WORKER = "real-f32"
+FLOAT32 = ("--model-name", FLOAT32_MODEL, "--quantization", "none", "--kv-dtype", "float32")
 
 
 class RealFleet:
@@ -53,6 +56,7 @@ class RealFleet:
         self.workers: dict[str, ChildProcess] = {}
         self.starts = 0  # worker processes started (each log file is its own)
         self.closed = False
+        self.float32_started = False
         self.gateway = ChildProcess(
             tokenfleet_args("serve", "--port", str(port), "--log-level", "warning"),
             log_dir / "gateway.log",
@@ -68,25 +72,29 @@ class RealFleet:
         """Start again every worker that is not running, and wait until all are ready."""
         if self.closed:
             raise RuntimeError("the real-model fleet was stopped after the last test of its folder")
-        for name in WORKERS:
+        for name in self._names():
             if name not in self.workers or not self.workers[name].alive():
                 if name in self.workers:
                     self.workers[name].close()
                 self.starts += 1
+                extra = FLOAT32 if name == FLOAT32_WORKER else ()
                 args = tokenfleet_args(
-                    "worker",
-                    "--model",
-                    "smollm2",
-                    "--name",
-                    name,
-                    "--threads",
-                    "1",
-                    *TIMERS,
-                    *FLOAT32,
-                )
+                    "worker", "--model", "smollm2", "--name", name, "--threads", "1",
+                    *TIMERS, *extra,
+                )  # fmt: skip
                 log = self.log_dir / f"{name}-{self.starts}.log"
                 self.workers[name] = ChildProcess(args, log, self.env)
         wait_for(self._ready, "the SmolLM2 workers and the gateway", READY_S, 0.1)
+
+    def float32_model(self) -> str:
+        """The name of the model served in float32 (weights and KV cache), its worker started
+        on the first call and kept, like the others, until ``close``."""
+        self.float32_started = True
+        self.revive()
+        return FLOAT32_MODEL
+
+    def _names(self) -> tuple[str, ...]:
+        return (*WORKERS, FLOAT32_WORKER) if self.float32_started else WORKERS
 
     def _ready(self) -> bool:
         assert self.gateway.alive(), f"the gateway exited early:\n{self.gateway.output()}"
@@ -96,9 +104,10 @@ class RealFleet:
             models: list[dict[str, Any]] = httpx.get(self.url + "/models", timeout=2).json()["data"]
         except httpx.HTTPError:
             return False
-        return [m["id"] for m in models] == ["default"] and sorted(
-            models[0]["tokenfleet"]["workers"]
-        ) == list(WORKERS)
+        want = {"default": list(WORKERS)}
+        if self.float32_started:
+            want[FLOAT32_MODEL] = [FLOAT32_WORKER]
+        return {m["id"]: sorted(m["tokenfleet"]["workers"]) for m in models} == want
 
     def close(self) -> None:
         """Stop the workers and the gateway (SIGTERM, then SIGKILL) and the Redis; once."""

@@ -216,9 +216,10 @@ def _tokens_of(redis_url: str, request_id: str) -> list[int]:
 def test_logprobs_equal_hugging_faces_forward(
     sdk: openai.OpenAI, fleet: RealFleet, hf_smollm2: Any, smollm2_tokenizer: Any
 ) -> None:
+    model = fleet.float32_model()  # HF computes in float32: so does this model's worker
     messages = ask("What is the capital of France?")
     r = sdk.chat.completions.create(
-        model="default",
+        model=model,
         messages=messages,
         max_tokens=12,
         temperature=0,
@@ -247,7 +248,7 @@ def test_logprobs_equal_hugging_faces_forward(
     streamed = [
         lp
         for c in sdk.chat.completions.create(
-            model="default",
+            model=model,
             messages=messages,
             max_tokens=12,
             temperature=0,
