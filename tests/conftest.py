@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import fork_server
 import pytest
@@ -31,21 +32,6 @@ from tokenfleet.shared.settings import Settings
 from tokenfleet.worker.devtools.local_redis import RedisServer
 
 REAL_FIXTURES = frozenset({"redis_server", "redis_url", "r", "settings"})
-
-
-_RESTORED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored() -> Iterator[None]:
-    """Each test leaves the pytest process's signal handlers as it found them: rq's
-    ``SimpleWorker`` ignores SIGINT in the process it runs in, for good, and every process
-    started from here afterwards would inherit that."""
-    saved = {sig: signal.getsignal(sig) for sig in _RESTORED_SIGNALS}
-    yield
-    for sig, handler in saved.items():
-        if handler is not None and signal.getsignal(sig) != handler:
-            signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="session")
@@ -112,12 +98,39 @@ def pytest_configure(config: pytest.Config) -> None:
     (tests/xdist_groups.py); each worker, and what it starts, computes on one thread (several
     workers share the machine's cores: torch's default, a thread per core each, oversubscribes
     them)."""
+    _PRISTINE.update({sig: signal.getsignal(sig) for sig in _SIGNALS})
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         if "torch" in sys.modules:
             sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(XdistGroups(config), "tokenfleet-xdist-groups")
+
+
+# the handlers the pytest process starts with, put back after every test that changed them (rq's
+# SimpleWorker ignores SIGINT in the process it runs in, for good; every process started from
+# here afterwards would inherit that, as exec keeps an ignored signal ignored)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+_PRISTINE: dict[signal.Signals, Any] = {}
+RESTORED = "signal_handlers_restored"  # the user property naming what was put back
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> object:
+    """After each test's teardown, the pytest process's signal handlers are the ones it started
+    with; the test's report names those that had to be put back (shown at the end of the run)."""
+    try:
+        return (yield)
+    finally:
+        changed = [
+            sig
+            for sig, handler in _PRISTINE.items()
+            if handler is not None and signal.getsignal(sig) != handler
+        ]
+        for sig in changed:
+            signal.signal(sig, _PRISTINE[sig])
+        if changed:
+            item.user_properties.append((RESTORED, ",".join(sig.name for sig in changed)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -168,4 +181,15 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if shown:
         terminalreporter.write_sep("-", "counts reported by tests")
         for line in shown:
+            terminalreporter.write_line(line)
+    restored = sorted(
+        f"{report.nodeid}: {value}"
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        for name, value in getattr(report, "user_properties", ())
+        if name == RESTORED
+    )
+    if restored:
+        terminalreporter.write_sep("-", "signal handlers put back after")
+        for line in restored:
             terminalreporter.write_line(line)

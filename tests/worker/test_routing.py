@@ -36,7 +36,9 @@ from tokenfleet.worker.devtools.local_redis import RedisServer
 pytestmark = pytest.mark.slow
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 20}
-LONG = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}  # keeps a worker busy
+# keeps a worker busy (until cancelled) for longer than a steal waits, even on an idle fast host:
+# near the tiny model's 4,096 positions
+LONG = {"max_tokens": 3900, "temperature": 0.0, "ignore_eos": True}
 
 
 def _turn(*texts: str) -> list[dict[str, str]]:
@@ -312,7 +314,7 @@ def test_an_idle_worker_steals_routed_work_that_waits_on_a_busy_one(fleet: Fleet
     # where it was routed and why stay in the record; the steal is noted apart
     assert (rec.route, rec.routed_to) == ("session", home)
     assert fleet.taken(quick.request_id) == f"stolen_by:{other}"
-    assert running() == home  # the session's worker was busy all along
+    assert running() == home, record(fleet.r, fleet.keys, busy.request_id)  # busy all along
     # the session follows its stolen turn: the next turn goes where that turn's history is
     assert fleet.r.get(fleet.keys.session(model_session_hash("default", "s"))) == other.encode()
     then = c.submit(
