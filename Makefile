@@ -53,11 +53,11 @@ redis7:
 chromium:
 	bash scripts/ensure_chromium.sh
 
-# PYTEST_WORKERS=3: the suite in three pytest-xdist workers; tests that share a session's resource
-# are kept in one worker by their xdist_group (tests/xdist_groups.py). The default, 0, runs it
-# serially in one process: timing-sensitive tests still fail now and then under three workers on
-# two cores (docs/development.md).
-PYTEST_WORKERS ?= 0
+# PYTEST_WORKERS: pytest-xdist workers, 3 by default (two cores: the slowest tests wait on
+# servers' timers, a third worker uses the time they leave idle); tests that share a session's
+# resource are kept in one worker by their xdist_group (tests/xdist_groups.py). 0: serially, in
+# one process (docs/development.md).
+PYTEST_WORKERS ?= 3
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 pytest: $(STAMP) $(ASSETS) redis7 chromium

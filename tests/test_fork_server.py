@@ -142,7 +142,14 @@ def test_a_signal_reaches_the_command_and_its_death_is_reported(
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
     env = {**os.environ, "PROBE_PARENT": str(os.getpid())}
-    child = ChildProcess([sys.executable, str(probe), "wait"], tmp_path / "w.log", env)
+    # started as from an interactive shell: a run started in the background (``make test &``)
+    # ignores SIGINT, and so would the command, fresh or forked
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        child = ChildProcess([sys.executable, str(probe), "wait"], tmp_path / "w.log", env)
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGINT, saved)
     try:
         assert isinstance(child.proc, ForkedProcess)
         wait_for(lambda: "waiting" in child.output(), "the probe to wait")
