@@ -107,9 +107,9 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(XdistGroups(config), "tokenfleet-xdist-groups")
 
 
-# the handlers the pytest process starts with, put back after every test that changed them (rq's
-# SimpleWorker ignores SIGINT in the process it runs in, for good; every process started from
-# here afterwards would inherit that, as exec keeps an ignored signal ignored)
+# the handlers the pytest process starts with, put back after every test that changed them: rq's
+# SimpleWorker leaves its own SIGINT and SIGTERM handlers installed in the process it ran in, and
+# a Ctrl-C would then ask a finished rq worker to stop instead of stopping pytest
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 _PRISTINE: dict[signal.Signals, Any] = {}
 RESTORED = "signal_handlers_restored"  # the user property naming what was put back

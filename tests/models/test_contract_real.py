@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from real_fleet import WORKERS, RealFleet
+from real_fleet import FLOAT32_WORKERS, RealFleet
 from waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -309,9 +309,10 @@ def test_n_above_the_limit_is_a_400_naming_n(sdk: openai.OpenAI) -> None:
 
 
 def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: RealFleet) -> None:
-    """Runs last: it kills a worker running a choice; the other resumes it."""
+    """Runs last: it kills a worker running a choice; the other resumes it. On the float32
+    model: as int4 a resumed greedy answer may flip at a near-tie (tests/models/real_fleet.py)."""
     body = {
-        "model": "default",
+        "model": fleet.float32_model(),
         "messages": POEM,
         "max_tokens": 60,
         "ignore_eos": True,
@@ -337,7 +338,7 @@ def test_every_choice_ends_once_when_a_worker_dies_mid_answer(fleet: RealFleet) 
             if killed is None and min(len(t) for t in texts.values()) > 10:
                 record = httpx.get(f"{fleet.url}/requests/{rid}.0", timeout=30).json()
                 killed = record["worker"]
-                assert killed in WORKERS, record
+                assert killed in FLOAT32_WORKERS, record
                 fleet.workers[killed].kill()  # SIGKILL, reaped
     assert killed is not None and finishes == {0: "length", 1: "length"}
     assert texts[0] == texts[1]  # greedy: the resumed choice goes on exactly as the other

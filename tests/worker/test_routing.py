@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 20}
 # keeps a worker busy (until cancelled) for longer than a steal waits, even on an idle fast host:
-# near the tiny model's 4,096 positions
+# up to the tiny model's context (4,096 positions, the prompt included: the engine ends it there)
 LONG = {"max_tokens": 3900, "temperature": 0.0, "ignore_eos": True}
 
 
