@@ -370,9 +370,7 @@ def _become(request: dict[str, Any]) -> None:
 # cannot be changed; SIGPIPE and SIGXFSZ are reset by Popen's restore_signals and ignored again
 # by Python's start-up, whatever the caller had)
 _KEPT_BY_EXEC = sorted(
-    set(signal.valid_signals())
-    - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
-    - set(range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
+    set(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGPIPE, signal.SIGXFSZ}
 )
 
 

@@ -62,7 +62,8 @@ class RealFleet:
         self.workers: dict[str, ChildProcess] = {}
         self.starts = 0  # worker processes started (each log file is its own)
         self.closed = False
-        self.float32_started = False
+        # model name -> its workers' names: what revive starts and _ready waits for
+        self.models: dict[str, tuple[str, ...]] = {"default": WORKERS}
         self.gateway = ChildProcess(
             tokenfleet_args("serve", "--port", str(port), "--log-level", "warning"),
             log_dir / "gateway.log",
@@ -78,7 +79,7 @@ class RealFleet:
         """Start again every worker that is not running, and wait until all are ready."""
         if self.closed:
             raise RuntimeError("the real-model fleet was stopped after the last test of its folder")
-        for name in self._names():
+        for name in (name for names in self.models.values() for name in names):
             if name not in self.workers or not self.workers[name].alive():
                 if name in self.workers:
                     self.workers[name].close()
@@ -95,29 +96,26 @@ class RealFleet:
     def float32_model(self) -> str:
         """The name of the model served in float32 (weights and KV cache), its two workers
         started on the first call and kept, like the others, until ``close``."""
-        self.float32_started = True
+        self.models[FLOAT32_MODEL] = FLOAT32_WORKERS
         try:
             self.revive()
         except BaseException:
-            self.float32_started = False  # the next test's revive does not wait for it again
+            del self.models[FLOAT32_MODEL]  # the next test's revive does not wait for it again
             raise
         return FLOAT32_MODEL
 
-    def _names(self) -> tuple[str, ...]:
-        return (*WORKERS, *FLOAT32_WORKERS) if self.float32_started else WORKERS
-
     def _ready(self) -> bool:
         assert self.gateway.alive(), f"the gateway exited early:\n{self.gateway.output()}"
-        for name, proc in self.workers.items():
-            assert proc.alive(), f"worker {name} exited early:\n{proc.output()}"
+        for names in self.models.values():
+            for name in names:
+                proc = self.workers[name]
+                assert proc.alive(), f"worker {name} exited early:\n{proc.output()}"
         try:
             models: list[dict[str, Any]] = httpx.get(self.url + "/models", timeout=2).json()["data"]
         except httpx.HTTPError:
             return False
-        want = {"default": list(WORKERS)}
-        if self.float32_started:
-            want[FLOAT32_MODEL] = list(FLOAT32_WORKERS)
-        return {m["id"]: sorted(m["tokenfleet"]["workers"]) for m in models} == want
+        listed = {m["id"]: tuple(sorted(m["tokenfleet"]["workers"])) for m in models}
+        return listed == {model: tuple(sorted(names)) for model, names in self.models.items()}
 
     def close(self) -> None:
         """Stop the workers and the gateway (SIGTERM, then SIGKILL) and the Redis; once."""
